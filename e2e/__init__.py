@@ -1,0 +1,1 @@
+"""End-to-end tests for Tandem against a real Kubernetes control plane."""

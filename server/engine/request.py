@@ -44,6 +44,7 @@ class Request:
     arrival_order: int
     group_id: str
     index: int = 0
+    session_id: str | None = None
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -94,8 +94,10 @@ class Scheduler:
             req = self.waiting[0]
             if len(self.running) + 1 + len(req.pending_siblings) > self.max_num_seqs:
                 break
-            prefix = self.kv.find_cached_prefix(req)
-            n = min(req.num_tokens - len(prefix.block_ids) * self.kv.block_size, budget)
+            # A request that already holds blocks (a session's turn) starts after them.
+            prefix = None if req.block_ids else self.kv.find_cached_prefix(req)
+            start = len(prefix.block_ids) * self.kv.block_size if prefix else req.num_computed_tokens
+            n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req, n, prefix):
                 break
             self.waiting.popleft()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from tandem.server.engine import LLMEngine, RequestOutput, SamplingParams
+from tandem.server.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
 
 log = logging.getLogger("tandem.api.engine")
 
@@ -46,7 +47,7 @@ class EngineMetrics(Protocol):
 
     def on_first_token(self, seconds: float) -> None: ...
 
-    def on_tokens(self, seconds_per_token: float, count: int) -> None: ...
+    def on_tokens(self, seconds: float, count: int) -> None: ...
 
     def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
 
@@ -81,6 +82,9 @@ class _Tracked:
 
     sink: asyncio.Queue
     arrival: float
+    prompt_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    last: RequestOutput | None = None
     num_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -201,6 +205,21 @@ class AsyncEngine:
         self._commands.put(_Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
+    async def abort_matching(self, session_id: str | None = None) -> int:
+        """Abort every request in flight (or those of one session); their streams end with
+        ``finish_reason: abort``. Returns how many were aborted."""
+        def fn(engine: LLMEngine) -> int:
+            ids = [rid for rid, t in self._tracked.items() if session_id is None or t.session_id == session_id]
+            batch = []
+            for rid in ids:
+                tracked = self._tracked.pop(rid)
+                engine.abort_request(rid)
+                batch.append((tracked.sink, rid, aborted_output(rid, tracked.prompt_ids, tracked.n, tracked.last)))
+            if batch and self._loop is not None:
+                self._loop.call_soon_threadsafe(_deliver, batch)
+            return len(ids)
+        return await self.call(fn)
+
     def _check_ready(self) -> None:
         if self.state != READY:
             raise EngineNotReadyError(f"the engine is {self.state}")
@@ -268,7 +287,8 @@ class AsyncEngine:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 cmd.future.set_exception(exc)
                 return
-            self._tracked[cmd.request_id] = _Tracked(cmd.sink, cmd.arrival, session_id=cmd.session_id)
+            self._tracked[cmd.request_id] = _Tracked(cmd.sink, cmd.arrival, prompt_ids=ids, n=cmd.params.n,
+                                                     session_id=cmd.session_id)
             if self._metrics is not None:
                 self._metrics.on_added(len(ids))
             cmd.future.set_result(ids)
@@ -302,6 +322,7 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted while the step ran
             self._observe(tracked, out, now)
+            tracked.last = out
             if out.finished:
                 del self._tracked[out.request_id]
             batch.append((tracked.sink, out.request_id, out))
@@ -354,6 +375,16 @@ class AsyncEngine:
             is_sleeping=bool(getattr(engine, "is_sleeping", False)),
             num_preemptions=s.num_preemptions, num_prompt_tokens=s.num_prompt_tokens,
             num_generated_tokens=s.num_generated_tokens)
+
+
+def aborted_output(request_id: str, prompt_ids: list[int], n: int, last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request aborted on purpose: what it had, marked ``abort``."""
+    if last is None:
+        outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort") for i in range(n)]
+        return RequestOutput(request_id=request_id, prompt_token_ids=prompt_ids, outputs=outputs, finished=True)
+    outputs = [o if o.finish_reason is not None else dataclasses.replace(o, finish_reason="abort")
+               for o in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, str, object]]) -> None:

@@ -1,0 +1,58 @@
+"""The FastAPI app factory: routes, error handlers, auth, and the engine loop's lifetime."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from tandem.server.engine import LLMEngine
+
+from . import native_routes, openai_routes, ops_routes
+from .auth import APIKeyMiddleware
+from .engine_loop import AsyncEngine
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .state import ServerSettings, ServerState
+
+log = logging.getLogger("tandem.api")
+
+
+def build_app(settings: ServerSettings, build_engine: Callable[[], LLMEngine], *, tokenizer: Any,
+              vocab_size: int, on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """One server: the engine is built by ``build_engine`` on the engine thread at startup (the
+    app answers 503 until it is ready) and stopped at shutdown.
+
+    ``tokenizer`` is the API's own copy (chat templates, prompt encoding, logprob token
+    text); the engine keeps its own, so the two threads never share one.
+    """
+    holder: dict[str, ServerState] = {}
+    metrics = ServerMetrics(settings.served_model_name, snapshot=lambda: holder["s"].engine.snapshot,
+                            pending=lambda: holder["s"].engine.num_queued_adds)
+    engine = AsyncEngine(build_engine, max_waiting=settings.max_waiting_requests, session_ttl=settings.session_ttl,
+                         metrics=metrics, on_failure=on_engine_failure)
+    state = holder["s"] = ServerState(settings=settings, engine=engine, tokenizer=tokenizer, vocab_size=vocab_size,
+                                      metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            engine.shutdown()
+
+    app = FastAPI(title="Tandem engine", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API with LMDeploy's and Ollama's native routes. Unknown request "
+                              "fields are accepted and ignored; known fields are type-checked strictly (400).")
+    app.state.tandem = state
+    install_error_handlers(app)
+    app.include_router(openai_routes.router, tags=["openai"])
+    app.include_router(native_routes.router, tags=["native"])
+    app.include_router(ops_routes.router, tags=["ops"])
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app

@@ -324,7 +324,11 @@ class Cluster:
                            "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                            "nvidia.com/gpu.present": "true"},
             },
-            "status": {"capacity": resources, "allocatable": resources},
+            "status": {
+                "capacity": resources, "allocatable": resources,
+                "addresses": [{"type": "InternalIP", "address": f"10.240.0.{index + 1}"},
+                              {"type": "Hostname", "address": name}],
+            },
         }
 
     def _register_nodes(self) -> None:

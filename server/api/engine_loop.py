@@ -51,6 +51,8 @@ class EngineMetrics(Protocol):
 
     def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
 
+    def on_aborted(self, count: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -217,6 +219,8 @@ class AsyncEngine:
                 batch.append((tracked.sink, rid, aborted_output(rid, tracked.prompt_ids, tracked.n, tracked.last)))
             if batch and self._loop is not None:
                 self._loop.call_soon_threadsafe(_deliver, batch)
+            if ids and self._metrics is not None:
+                self._metrics.on_aborted(len(ids))
             return len(ids)
         return await self.call(fn)
 
@@ -293,8 +297,11 @@ class AsyncEngine:
                 self._metrics.on_added(len(ids))
             cmd.future.set_result(ids)
         elif isinstance(cmd, _Abort):
-            if self._tracked.pop(cmd.request_id, None) is not None:
+            tracked = self._tracked.pop(cmd.request_id, None)
+            if tracked is not None:
                 engine.abort_request(cmd.request_id)
+                if self._metrics is not None:
+                    self._metrics.on_aborted(tracked.n)
         elif isinstance(cmd, _Call):
             if not cmd.future.set_running_or_notify_cancel():
                 return

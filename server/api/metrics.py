@@ -115,6 +115,9 @@ class ServerMetrics:
         for c in out.outputs:
             self._finished.labels(self._model, c.finish_reason or "abort").inc()
 
+    def on_aborted(self, count: int) -> None:
+        self._finished.labels(self._model, "abort").inc(count)
+
     def on_error(self, status: int) -> None:
         self._http_errors.labels(self._model, str(status)).inc()
 

@@ -103,3 +103,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.on_exit_signal()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after shutting down, which would make a graceful
+        # SIGTERM exit look like a kill (-15); a drained shutdown exits 0 instead.
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and captured and captured[-1] == sig:
+            captured.pop()

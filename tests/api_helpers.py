@@ -1,0 +1,103 @@
+"""Helpers for the API tests: a tiny model on disk and a real ``tandem serve`` process on loopback."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "sk-test-key"
+# Small enough for a 2-core CPU; max_model_len 512 makes an oversized prompt cheap to build.
+ENGINE_FLAGS = ["--kv-cache-tokens", "4096", "--max-num-seqs", "64", "--max-model-len", "512", "--block-size", "16"]
+
+
+def make_model(root: Path, arch: str = "llama") -> str:
+    from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    return str(make_tiny_model(str(root / arch), TinyModelSpec(arch=arch)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``tandem serve`` in a subprocess; ``stop`` sends SIGTERM and waits for the exit code."""
+
+    def __init__(self, model_dir: str, *extra: str, api_key: str | None = None, log_path: Path | None = None,
+                 served_model_name: str = "tiny") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
+               "--port", str(self.port), "--served-model-name", served_model_name, "--log-level", "warning",
+               *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("TANDEM_API_KEY", None)
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout}s: {self.log_tail()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 20.0, sessions_ok: bool = False) -> dict:
+        """Poll /health until nothing runs or waits and every block is free (sessions aside)."""
+        deadline = time.monotonic() + timeout
+        h = self.health()
+        while time.monotonic() < deadline:
+            h = self.health()
+            pool = h["block_pool"]
+            if (h["active_requests"] == 0 and h["pending_requests"] == 0
+                    and (sessions_ok or (h["active_sessions"] == 0 and pool["free_blocks"] == pool["total_blocks"]))):
+                return h
+            time.sleep(0.1)
+        raise AssertionError(f"server did not go idle: {h}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+def sse_events(lines: list[str]) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]

@@ -62,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = args.model
         default_name = Path(model_dir.rstrip("/")).name or model_dir
     config = engine_config_from_args(args, model_dir)  # validates engine flags before anything loads
-    settings = ServerSettings(
-        model_dir=model_dir, served_model_name=args.served_model_name or default_name,
-        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None, role=args.role,
-        max_waiting_requests=args.max_waiting_requests, session_ttl=args.session_ttl,
-        shutdown_timeout=args.shutdown_timeout)
+    settings = settings_from_args(args, model_dir, default_name)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
 
@@ -91,6 +87,17 @@ def run(args: argparse.Namespace) -> int:
              settings.role)
     server.run()
     return 1 if failed else 0
+
+
+def settings_from_args(args: argparse.Namespace, model_dir: str, default_name: str,
+                       environ: dict[str, str] | None = None) -> ServerSettings:
+    """Server settings from the flags; the API key falls back to ``$TANDEM_API_KEY``."""
+    env = os.environ if environ is None else environ
+    return ServerSettings(
+        model_dir=model_dir, served_model_name=args.served_model_name or default_name,
+        api_key=args.api_key or env.get("TANDEM_API_KEY") or None, role=args.role,
+        max_waiting_requests=args.max_waiting_requests, session_ttl=args.session_ttl,
+        shutdown_timeout=args.shutdown_timeout)
 
 
 class _Server(uvicorn.Server):

@@ -27,9 +27,9 @@ class KVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[layer, 0], self.data[layer, 1]
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        return self.data[layer, 0].view(shape), self.data[layer, 1].view(shape)
+    def flat_kv(self, layer: int) -> torch.Tensor:
+        """``[2, slots, kv_heads, head_dim]``: K and V of one layer indexed by flat slot."""
+        return self.data[layer].view(2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
     def release(self) -> None:
         """Drop the cache memory (sleep mode); ``restore`` allocates it again, zeroed."""

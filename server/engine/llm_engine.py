@@ -108,6 +108,8 @@ class LLMEngine:
                     *, stream: bool = False, session_id: str | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
+        ``step`` reports a streamed request after every token, any other only when it finishes.
+
         With ``session_id`` the request continues that session: it reuses the session's KV
         blocks for the prompt prefix they hold, and leaves its own blocks there when done.
         """
@@ -132,6 +134,7 @@ class LLMEngine:
                 arrival_order=next(self._arrival),
                 group_id=request_id,
                 index=i,
+                stream=stream,
                 generator=self._generator(params.seed, i),
                 detokenizer=(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                              if stream or params.stop else None),
@@ -197,13 +200,14 @@ class LLMEngine:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
-        touched: dict[str, None] = {}
+        report: dict[str, None] = {}
         if sampling:
             out = sample(logits, sampling)
             for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
                 self._append(req, token, lp)
-                touched[req.group_id] = None
-        return [o for gid in touched if (o := self._group_output(gid)) is not None]
+                if req.stream or req.status.finished:
+                    report[req.group_id] = None
+        return [o for gid in report if (o := self._group_output(gid)) is not None]
 
     def _append(self, req: Request, token: int, logprob: object) -> None:
         if req.pending_siblings:

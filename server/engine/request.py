@@ -44,6 +44,7 @@ class Request:
     arrival_order: int
     group_id: str
     index: int = 0
+    stream: bool = False
     session_id: str | None = None
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None

@@ -19,8 +19,8 @@ from .base import AttentionBackend, AttentionStep, BatchLayout
 class _Group:
     token_index: torch.Tensor  # [B, Lq] flat token index per padded query (clamped)
     query_valid: torch.Tensor  # [B, Lq] bool
-    kv_slots: torch.Tensor  # [B, Lk] flat cache slot per padded key
-    mask: torch.Tensor  # [B, 1, Lq, Lk] bool
+    block_tables: torch.Tensor  # [B, nb] pages per sequence, padded with the null page
+    mask: torch.Tensor  # [B, 1, Lq, nb * block_size] bool
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -50,18 +50,14 @@ class TorchAttentionBackend(AttentionBackend):
         query_valid = q_pos[None, :] < q_lens[:, None]
         token_index = seq_starts[:, None] + torch.minimum(q_pos[None, :], q_lens[:, None] - 1)
         num_blocks = -(-max_kv // bs)
-        tables = torch.zeros(len(idx), num_blocks, dtype=torch.int64)
-        for row, i in enumerate(idx):
-            table = layout.block_tables[i][:num_blocks]
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int64)
-        kv_pos = torch.arange(max_kv)
-        kv_slots = tables[:, kv_pos // bs] * bs + kv_pos % bs
+        tables = torch.tensor([_padded(layout.block_tables[i], num_blocks) for i in idx], dtype=torch.int64)
+        kv_pos = torch.arange(num_blocks * bs)
         # query j of a sequence sits at absolute position kv_len - q_len + j
         q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
         causal = kv_pos[None, None, :] <= q_abs[:, :, None]
         mask = causal & (kv_pos[None, None, :] < kv_lens[:, None, None]) & query_valid[:, :, None]
         mask |= ~query_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # padded rows: no NaN
-        return _Group(token_index.to(device), query_valid.to(device), kv_slots.to(device),
+        return _Group(token_index.to(device), query_valid.to(device), tables.to(device),
                       mask.unsqueeze(1).to(device))
 
 
@@ -73,15 +69,20 @@ class _TorchStep(AttentionStep):
         self.scale = scale
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.flat(layer)
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        kv = self.kv_cache.flat_kv(layer)  # [2, slots, H_kv, D]
+        kv.index_copy_(1, self.slot_mapping, torch.stack((k, v)).to(kv.dtype))
+        pages = self.kv_cache.data[layer]  # [2, blocks, block_size, H_kv, D]
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for g in self.groups:
             qg = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
-            kg = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
-            vg = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+            b, nb = g.block_tables.shape
+            gathered = pages[:, g.block_tables].view(2, b, nb * pages.shape[2], *pages.shape[3:])
+            kg, vg = gathered.to(q.dtype).transpose(2, 3).unbind(0)  # [B, H_kv, Lk, D] each
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
         return out
+
+
+def _padded(table: list[int], width: int) -> list[int]:
+    return table[:width] + [0] * (width - len(table))

@@ -392,6 +392,9 @@ def test_ops_routes(http: httpx.Client, server: ServerProcess) -> None:
         assert f"\n{name}" in text, name
     ttft = [line for line in text.splitlines() if line.startswith("tandem:time_to_first_token_seconds_count")]
     assert float(ttft[0].split()[-1]) > 0
+    # earlier tests were refused with 400/401/404/413; each refusal is counted by status
+    for status in ("400", "404", "413"):
+        assert f'tandem:request_errors_total{{model_name="tiny",status="{status}"}}' in text, status
 
 
 def test_openapi_describes_every_route(http: httpx.Client) -> None:

@@ -48,6 +48,12 @@ def error_body(status: int, message: str, *, code: str | None = None, param: str
                       "code": code, "param": param}}
 
 
+def _count(request: Request, status: int) -> None:
+    state = getattr(request.app.state, "tandem", None)
+    if state is not None:
+        state.metrics.on_error(status)
+
+
 def error_response(err: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(error_body(err.status, err.message, code=err.code, param=err.param, type=err.type),
@@ -78,20 +84,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count(request, exc.status)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count(request, 400)
         message, param = validation_message(exc)
         return error_response(APIError(400, message, code="invalid_value", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        _count(request, exc.status_code)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        _count(request, 500)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))

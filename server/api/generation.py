@@ -141,8 +141,6 @@ async def submit(state: ServerState, base_id: str, prompts: list[list[int]], par
     except BaseException as exc:
         job.abort_unfinished()
         if isinstance(exc, Exception):
-            err = api_error(exc)
-            state.metrics.on_error(err.status)
-            raise err from exc
+            raise api_error(exc) from exc
         raise
     return job

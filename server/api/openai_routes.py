@@ -24,7 +24,7 @@ router = APIRouter()
 
 def _note_ignored(route: str, body: Any) -> None:
     if extra := body.ignored_fields():
-        log.info("%s: ignoring unknown field(s) %s", route, ", ".join(extra))
+        log.debug("%s: ignoring unknown field(s) %s", route, ", ".join(extra))
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)

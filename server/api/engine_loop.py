@@ -87,6 +87,7 @@ class _Tracked:
     prompt_ids: list[int] = field(default_factory=list)
     n: int = 1
     last: RequestOutput | None = None
+    stream: bool = False
     num_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -292,7 +293,7 @@ class AsyncEngine:
                 cmd.future.set_exception(exc)
                 return
             self._tracked[cmd.request_id] = _Tracked(cmd.sink, cmd.arrival, prompt_ids=ids, n=cmd.params.n,
-                                                     session_id=cmd.session_id)
+                                                     stream=cmd.stream, session_id=cmd.session_id)
             if self._metrics is not None:
                 self._metrics.on_added(len(ids))
             cmd.future.set_result(ids)
@@ -341,7 +342,9 @@ class AsyncEngine:
         new = num - tracked.num_tokens
         tracked.num_tokens = num
         m = self._metrics
-        if m is not None and new > 0:
+        # The engine reports a non-streamed request only when it finishes, so token timings
+        # (TTFT, inter-token latency) come from streamed requests; e2e latency from all.
+        if m is not None and new > 0 and tracked.stream:
             if tracked.first_token_at is None:
                 tracked.first_token_at = now
                 m.on_first_token(now - tracked.arrival)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from api_helpers import ServerProcess, make_model
+from .api_helpers import ServerProcess, make_model
 
 pytestmark = pytest.mark.timeout(300)
 

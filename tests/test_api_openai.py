@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from api_helpers import API_KEY, ENGINE_FLAGS, ServerProcess, make_model, sse_events
+from .api_helpers import API_KEY, ENGINE_FLAGS, ServerProcess, make_model, sse_events
 
 pytestmark = pytest.mark.timeout(300)
 

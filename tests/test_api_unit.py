@@ -15,7 +15,7 @@ from tandem.server.api.protocol import ChatCompletionRequest, CompletionRequest,
 from tandem.server.api.state import ServerSettings
 from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
 
-from api_helpers import make_model
+from .api_helpers import make_model
 
 
 # ----- mapping ------------------------------------------------------------------------------

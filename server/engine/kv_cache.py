@@ -1,9 +1,12 @@
 """The KV cache tensors: per layer, K and V pages of ``block_size`` tokens in NHD layout."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .models.config import ModelConfig
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
 
 
 class KVCache:
@@ -13,7 +16,7 @@ class KVCache:
     paged NHD layout FlashInfer reads; ``flat`` views them as ``[slots, kv_heads, head_dim]``.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, cfg: "ModelConfig", num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -35,11 +38,11 @@ class KVCache:
         """Drop the cache memory (sleep mode); ``restore`` allocates it again, zeroed."""
         self.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
-    def restore(self, cfg: ModelConfig) -> None:
+    def restore(self, cfg: "ModelConfig") -> None:
         self.data = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
                                 self.head_dim, dtype=self.dtype, device=self.device)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize

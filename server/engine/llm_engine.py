@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .attention import select_backend
-from .config import ConfigError, EngineConfig
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager, KVCacheStats
-from .loader import load_model, resolve_dtype
-from .model_runner import ModelRunner
 from .models.config import ModelConfig
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, RequestStatus
@@ -29,6 +26,7 @@ from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
 from .stopping import find_stop_string, held_back, stop_by_token
+from .worker import Worker
 
 
 class PromptTooLongError(InvalidParamError):
@@ -58,20 +56,15 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_dir(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.worker = Worker(config, self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = frozenset(eos_token_ids(config.model, self.model_config, self.tokenizer))
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        num_blocks = self.worker.num_blocks
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, (num_blocks - 1) * config.block_size)
-        backend = select_backend(config.attention_backend, self.kv_cache, self.model_config.head_dim ** -0.5)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, backend, config.block_size, self.device)
         self.sessions = SessionStore(self.kv)
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
@@ -81,22 +74,17 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
 
-    # ----- sizing -------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_tokens is not None:
-            return -(-cfg.kv_cache_tokens // cfg.block_size) + 1
-        per_block = KVCache.bytes_per_block(self.model_config, cfg.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
-        else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(int(available * cfg.gpu_memory_utilization), cfg.max_kv_cache_bytes)
-        blocks = budget // per_block
-        if blocks < 2:
-            raise ConfigError(f"no memory left for the KV cache ({budget} bytes, {per_block} per block)")
-        return blocks
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.worker.kv_cache
 
     # ----- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -135,6 +123,7 @@ class LLMEngine:
                 group_id=request_id,
                 index=i,
                 stream=stream,
+                arrival_time=time.monotonic(),
                 generator=self._generator(params.seed, i),
                 detokenizer=(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                              if stream or params.stop else None),
@@ -171,9 +160,7 @@ class LLMEngine:
         return params.max_tokens
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed + index if seed is not None else self._rng.getrandbits(63))
-        return g
+        return self.worker.new_generator(seed + index if seed is not None else self._rng.getrandbits(63))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
@@ -196,7 +183,7 @@ class LLMEngine:
         self._num_preemptions += len(batch.preempted)
         if not batch.requests:
             return []
-        logits, sampling = self.runner.execute(batch)
+        logits, sampling = self.worker.execute(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
@@ -213,6 +200,8 @@ class LLMEngine:
         if req.pending_siblings:
             self._fork_siblings(req)
         req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         if logprob is not None:
             req.logprobs.append(logprob)
         self._num_generated_tokens += 1
@@ -233,6 +222,7 @@ class LLMEngine:
                 detok.finish()
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=True)
+            req.finished_time = time.monotonic()
             self.scheduler.finish(req, status)
 
     def _fork_siblings(self, leader: Request) -> None:
@@ -256,6 +246,7 @@ class LLMEngine:
             outputs=[self._completion(r) for r in group],
             finished=finished,
             num_cached_tokens=group[0].num_cached_tokens,
+            metrics=_timings(group),
         )
 
     def _completion(self, req: Request) -> CompletionOutput:
@@ -309,25 +300,13 @@ class LLMEngine:
             raise EngineBusyError(f"{len(self._groups)} requests are in flight; abort them before sleeping")
         self.sessions.clear()
         self.kv.pool.reset_prefix_cache()
-        self.kv_cache.release()
-        if level == 2:
-            self.model.to_empty(device=torch.device("meta"))
-        elif self.device.type == "cuda":
-            self.model.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.worker.sleep(level)
         self._sleep_level = level
 
     def wake_up(self) -> None:
-        if not self._sleep_level:
-            return
-        if self._sleep_level == 2:
-            self.model = load_model(self.config.model, self.dtype, self.device)
-            self.runner.model = self.model
-        elif self.device.type == "cuda":
-            self.model.to(self.device)
-        self.kv_cache.restore(self.model_config)
-        self._sleep_level = 0
+        if self._sleep_level:
+            self.worker.wake_up(self._sleep_level)
+            self._sleep_level = 0
 
     # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -341,10 +320,16 @@ class LLMEngine:
         )
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def _timings(group: list[Request]) -> dict[str, float]:
+    """Monotonic timestamps of the group: arrival, first token, finish (when known)."""
+    lead = group[0]
+    out = {"arrival_time": lead.arrival_time}
+    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
+    if firsts:
+        out["first_token_time"] = min(firsts)
+    if all(r.finished_time is not None for r in group):
+        out["finished_time"] = max(r.finished_time for r in group)
+    return out
 
 
 def eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer: object) -> set[int]:

@@ -58,6 +58,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    first_token_time: float | None = None
+    finished_time: float | None = None
     # Siblings of an n > 1 group are forked from this request once its prompt is computed.
     pending_siblings: list["Request"] = field(default_factory=list)
 

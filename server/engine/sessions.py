@@ -55,7 +55,7 @@ class SessionStore:
         s.token_ids, s.block_ids = [], []
 
     def detach(self, session_id: str, req: Request, keep_blocks: bool) -> None:
-        """Take the finished request's blocks into the session (or free them after an abort)."""
+        """Take the finished request's blocks into the session; an aborted turn ends the session."""
         s = self._sessions.get(session_id)
         if s is None:
             self.kv.free(req)
@@ -65,7 +65,9 @@ class SessionStore:
             s.block_ids = req.block_ids
             req.block_ids, req.block_hashes = [], []
         else:
-            self.kv.free(req)
+            self.kv.free(req)  # an aborted turn: the session's history went with it
+            del self._sessions[session_id]
+            return
         s.busy = False
         s.last_used = time.monotonic()
 

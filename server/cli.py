@@ -14,6 +14,9 @@ SUBCOMMANDS = {
     "make-tiny-model": ("tandem.server.engine.tiny_model_cli", "Write a small random-weight HF model"),
     "generate": ("tandem.server.engine.generate_cli", "Generate offline from prompts with the engine"),
     "serve": ("tandem.server.api.serve_cli", "Serve the OpenAI-compatible engine API"),
+    "proxy": ("tandem.server.proxy.cli", "Run the P/D proxy: one OpenAI endpoint over many engines"),
+    "up": ("tandem.server.local", "Run an InferenceService's proxy and engines as local processes"),
+    "operator": ("tandem.operator.cli", "Run the Kubernetes operator (in or out of a cluster)"),
 }
 
 

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV transfer parameters, leases and transports."""

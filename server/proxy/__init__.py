@@ -1,0 +1,1 @@
+"""The P/D proxy: one OpenAI endpoint over prefill, decode and aggregated engines."""

@@ -35,6 +35,10 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    # P/D: how long a prefill engine holds blocks for a decode engine that never pulls them,
+    # and what a decode engine does when a pull fails (end the request, or prefill itself).
+    kv_lease_seconds: float = 30.0
+    kv_pull_fallback: Literal["error", "recompute"] = "error"
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -47,6 +51,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(self.kv_lease_seconds > 0, "kv_lease_seconds must be positive")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
 
     def replace(self, **changes: object) -> "EngineConfig":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .request import TokenLogprob
 
@@ -33,6 +34,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's handle for the decode side
+    error: str | None = None  # why a request ended without finishing (a failed KV pull, say)
 
     # The first choice's fields, for the common n = 1 case.
     @property

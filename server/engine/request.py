@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    # P/D: a prefill-role request keeps its blocks under a lease when it finishes; a
+    # decode-role request gets its prompt's K/V by a pull before it is scheduled.
+    remote_decode: bool = False
+    remote_prefill: Any = None  # tandem.server.disagg.kv_transfer.RemotePrefill
+    pull_in_flight: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
     arrival_time: float = 0.0  # time.monotonic() at add_request
     first_token_time: float | None = None
     finished_time: float | None = None

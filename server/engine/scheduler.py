@@ -44,8 +44,11 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    def add(self, req: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

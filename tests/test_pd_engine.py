@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation at the engine level: two engines and the real TCP transport."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.server.disagg.transport import KVTransportClient, KVTransportServer, TransportError
+from tandem.server.engine import LLMEngine, SamplingParams
+from tandem.server.engine.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def drain(engine: LLMEngine, rid: str):
+    out = None
+    deadline = time.monotonic() + 60
+    while out is None or not out.finished:
+        assert time.monotonic() < deadline
+        for o in engine.step():
+            if o.request_id == rid:
+                out = o
+    return out
+
+
+def run_pulls(engine: LLMEngine, client: KVTransportClient) -> None:
+    """What the server's engine loop does with pull tasks, inline."""
+    for task in engine.take_pull_tasks():
+        try:
+            client.pull(task.lease_id, task.remote_block_ids, engine.kv_cache, task.local_block_ids)
+            client.release(task.lease_id)
+            engine.complete_pull(task.request_id)
+        except TransportError as exc:
+            engine.complete_pull(task.request_id, str(exc))
+
+
+@pytest.fixture()
+def pd(llama_dir: Path):
+    cfg = EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, block_size=8, kv_lease_seconds=30.0)
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    server = KVTransportServer(prefill.kv_cache, prefill.leases.blocks, prefill.release_lease,
+                               layout=prefill.kv_layout).start()
+    prefill.kv_transfer_address = server.address
+    client = KVTransportClient(server.address, timeout_s=5)
+    yield prefill, decode, client
+    client.close()
+    server.close()
+
+
+def prefill_handoff(prefill: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> dict:
+    prefill.add_request(rid, prompt, params, kv_transfer={"do_remote_decode": True})
+    out = drain(prefill, rid)
+    assert len(out.token_ids) == 1 and out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def test_disaggregated_greedy_equals_aggregated_and_frees_everything(pd, llama_dir: Path) -> None:
+    prefill, decode, client = pd
+    prompt = list(range(5, 70))
+    both = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, block_size=8))
+    both.add_request("ref", prompt, GREEDY)
+    expected = drain(both, "ref").token_ids
+
+    handle = prefill_handoff(prefill, "p", prompt, GREEDY)
+    assert prefill.stats().num_leases == 1 and handle["remote_num_tokens"] == len(prompt)
+    assert client.layout() == decode.kv_layout
+    decode.add_request("d", prompt, GREEDY, kv_transfer=handle, stream=True)
+    decode.step()
+    run_pulls(decode, client)
+    out = drain(decode, "d")
+    assert out.token_ids == expected and out.error is None
+    prefill.step()  # the release lands at the next step's sweep
+    assert prefill.stats().num_leases == 0
+    prefill.kv.pool.check_all_free()
+    decode.kv.pool.check_all_free()
+
+
+def test_decode_prefix_hits_pull_only_the_missing_tail(pd) -> None:
+    prefill, decode, client = pd
+    shared = list(range(100, 140))  # 5 full blocks of 8
+    decode.add_request("warm", shared + [7], SamplingParams(max_tokens=1))
+    drain(decode, "warm")
+    prompt = shared + list(range(200, 220))
+    handle = prefill_handoff(prefill, "p", prompt, GREEDY)
+    decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
+    decode.step()
+    (task,) = decode.take_pull_tasks()
+    assert len(task.remote_block_ids) == len(handle["remote_block_ids"]) - 5
+    client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
+    decode.complete_pull("d")
+    assert drain(decode, "d").error is None
+
+
+def test_unpulled_lease_expires_and_frees_the_prefill_blocks(llama_dir: Path) -> None:
+    prefill = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=0.2))
+    prefill_handoff(prefill, "p", list(range(5, 40)), GREEDY)
+    assert prefill.kv.stats().free_blocks < prefill.kv.stats().total_blocks
+    time.sleep(0.3)
+    assert prefill.sweep_leases() == 1 and prefill.leases.num_expired == 1
+    prefill.kv.pool.check_all_free()
+
+
+@pytest.mark.parametrize("fallback", ["error", "recompute"])
+def test_failed_pull_frees_decode_blocks(pd, llama_dir: Path, fallback: str) -> None:
+    prefill, _, client = pd
+    decode = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, block_size=8,
+                                    kv_pull_fallback=fallback))
+    prompt = list(range(5, 50))
+    handle = prefill_handoff(prefill, "p", prompt, GREEDY)
+    prefill.release_lease(handle["remote_lease_id"])
+    prefill.step()  # the lease is gone: the pull must fail
+    decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
+    decode.step()
+    run_pulls(decode, client)
+    out = drain(decode, "d")
+    if fallback == "error":
+        assert out.finish_reason == "abort" and "KV transfer" in out.error and "unknown" in out.error
+    else:
+        assert out.error is None and len(out.token_ids) == GREEDY.max_tokens
+    decode.kv.pool.check_all_free()
+
+
+def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
+    prefill, decode, client = pd
+    prompt = list(range(5, 50))
+    handle = prefill_handoff(prefill, "p", prompt, GREEDY)
+    decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
+    decode.step()
+    (task,) = decode.take_pull_tasks()
+    decode.abort_request("d")
+    assert decode.kv.stats().free_blocks < decode.kv.stats().total_blocks  # still being written
+    client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
+    decode.complete_pull("d")
+    decode.kv.pool.check_all_free()
+
+
+def test_layout_mismatch_is_reported_clearly(pd, llama_dir: Path) -> None:
+    _, _, client = pd
+    other = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=16))
+    problem = other.kv_layout.mismatch(client.layout())
+    assert problem is not None and "block_size: remote 8 vs local 16" in problem
+
+
+def test_mismatched_prompt_length_is_refused(pd) -> None:
+    prefill, decode, _ = pd
+    handle = prefill_handoff(prefill, "p", list(range(5, 30)), GREEDY)
+    with pytest.raises(ValueError, match="tokenize differently"):
+        decode.add_request("d", list(range(5, 31)), GREEDY, kv_transfer=handle)

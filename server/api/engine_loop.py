@@ -104,6 +104,7 @@ class _Add:
     sink: asyncio.Queue
     arrival: float
     future: concurrent.futures.Future
+    kv_transfer: dict[str, Any] | None = None
 
 
 @dataclass
@@ -131,8 +132,11 @@ class AsyncEngine:
 
     def __init__(self, build: Callable[[], LLMEngine], *, max_waiting: int | None = None,
                  session_ttl: float | None = None, metrics: EngineMetrics | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 on_ready: Callable[[LLMEngine], None] | None = None, puller: Any = None) -> None:
         self._build = build
+        self._on_ready = on_ready
+        self.puller = puller  # tandem.server.disagg.puller.KVPuller: runs the engine's KV pulls
         self._max_waiting = max_waiting
         self._session_ttl = session_ttl
         self._metrics = metrics
@@ -178,7 +182,7 @@ class AsyncEngine:
     # ----- the async face -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                           sink: asyncio.Queue, stream: bool = False, session_id: str | None = None,
-                          arrival: float | None = None) -> list[int]:
+                          arrival: float | None = None, kv_transfer: dict[str, Any] | None = None) -> list[int]:
         """Queue a request; outputs arrive on ``sink`` as ``(request_id, RequestOutput)``.
 
         Returns the prompt token ids once the engine accepted it; raises what
@@ -189,7 +193,7 @@ class AsyncEngine:
         self.num_queued_adds += 1
         try:
             self._commands.put(_Add(request_id, prompt, params, stream, session_id, sink,
-                                    arrival or time.monotonic(), fut))
+                                    arrival or time.monotonic(), fut, kv_transfer))
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have landed just before the cancellation
@@ -233,6 +237,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = self._engine = self._build()
+            if self._on_ready is not None:
+                self._on_ready(engine)
             kv = engine.stats().kv
             self.info = {"max_model_len": engine.max_model_len, "block_size": kv.block_size,
                          "num_blocks": kv.total_blocks, "device": str(engine.device)}
@@ -251,6 +257,7 @@ class AsyncEngine:
                     break
                 if engine.has_unfinished_requests():
                     self._step(engine)
+                self._dispatch_pulls(engine)
                 self._expire(engine)
                 self._publish(READY)
         finally:
@@ -262,7 +269,7 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; when idle, wait for one first. False means stop."""
-        timeout = 1.0 if self._session_ttl else None
+        timeout = 1.0  # wake up to expire sessions and sweep KV leases even when idle
         try:
             cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
@@ -288,6 +295,8 @@ class AsyncEngine:
                 kwargs: dict[str, Any] = {"stream": cmd.stream}
                 if cmd.session_id is not None:
                     kwargs["session_id"] = cmd.session_id
+                if cmd.kv_transfer:
+                    kwargs["kv_transfer"] = cmd.kv_transfer
                 ids = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 cmd.future.set_exception(exc)
@@ -362,7 +371,21 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
+    def _dispatch_pulls(self, engine: LLMEngine) -> None:
+        """Hand the engine's KV pulls to the puller; each reports back as a command."""
+        for task in engine.take_pull_tasks():
+            if self.puller is None:
+                engine.complete_pull(task.request_id, "this engine has no KV transport")
+                continue
+
+            def done(request_id: str, error: str | None) -> None:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                self._commands.put(_Call(lambda e: e.complete_pull(request_id, error), fut))
+
+            self.puller.submit(task, engine.kv_cache, done)
+
     def _expire(self, engine: LLMEngine) -> None:
+        engine.sweep_leases()
         ttl = self._session_ttl
         if not ttl or not hasattr(engine, "expire_sessions"):
             return

@@ -96,6 +96,8 @@ class Job:
             for rid, item in items:
                 if isinstance(item, BaseException):
                     raise api_error(item)
+                if item.error is not None:  # ended without finishing, e.g. a failed KV pull
+                    raise APIError(502, item.error, code="kv_transfer_error", type="kv_transfer_error")
                 latest[rid] = item
                 self.last[rid] = item
                 if item.finished:
@@ -125,9 +127,12 @@ class Job:
 
 
 async def submit(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams, *,
-                 stream: bool, session_id: str | None = None) -> Job:
+                 stream: bool, session_id: str | None = None, kv_transfer: dict | None = None) -> Job:
     """Add one engine request per prompt; if any is refused, abort the ones already added."""
     state.check_admitting()
+    if kv_transfer and len(prompts) != 1:
+        raise APIError(400, "kv_transfer_params takes a single prompt", param="kv_transfer_params",
+                       code="invalid_value")
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -135,7 +140,8 @@ async def submit(state: ServerState, base_id: str, prompts: list[list[int]], par
     try:
         for rid, prompt in zip(ids, prompts):
             prompt_ids = await state.engine.add_request(rid, prompt, params, sink=sink, stream=stream,
-                                                        session_id=session_id, arrival=arrival)
+                                                        session_id=session_id, arrival=arrival,
+                                                        kv_transfer=kv_transfer)
             job.request_ids.append(rid)
             job.prompt_ids.append(prompt_ids)
     except BaseException as exc:

@@ -49,7 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
     job = await submit(state, request_id, [prompt_ids], params, stream=bool(body.stream),
-                       session_id=mapping.session_key(body.session_id))
+                       session_id=mapping.session_key(body.session_id), kv_transfer=body.kv_transfer_params)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -60,9 +60,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         outputs = await job.collect(request)
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
-    return mapping.chat_response(request_id=request_id, created=created, model=model, outputs=outputs,
-                                 tokenizer=state.tokenizer, top_logprobs=top,
-                                 return_token_ids=bool(body.return_token_ids))
+    return _with_handoff(mapping.chat_response(request_id=request_id, created=created, model=model, outputs=outputs,
+                                               tokenizer=state.tokenizer, top_logprobs=top,
+                                               return_token_ids=bool(body.return_token_ids)), outputs)
 
 
 async def _chat_stream(state: ServerState, job: Job, request_id: str, created: int, model: str,
@@ -126,7 +126,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     session = mapping.session_key(body.session_id)
     if session is not None and len(prompts) > 1:
         raise APIError(400, "a session takes a single prompt", param="session_id", code="invalid_value")
-    job = await submit(state, request_id, prompt_ids, params, stream=bool(body.stream), session_id=session)
+    job = await submit(state, request_id, prompt_ids, params, stream=bool(body.stream), session_id=session,
+                       kv_transfer=body.kv_transfer_params)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -137,9 +138,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         outputs = await job.collect(request)
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
-    return mapping.completion_response(request_id=request_id, created=created, model=model, outputs=outputs,
-                                       tokenizer=state.tokenizer, logprobs=body.logprobs, echo_texts=echo_texts,
-                                       return_token_ids=bool(body.return_token_ids))
+    return _with_handoff(mapping.completion_response(
+        request_id=request_id, created=created, model=model, outputs=outputs, tokenizer=state.tokenizer,
+        logprobs=body.logprobs, echo_texts=echo_texts, return_token_ids=bool(body.return_token_ids)), outputs)
+
+
+def _with_handoff(response: dict[str, Any], outputs: list[Any]) -> dict[str, Any]:
+    """A prefill engine's answer carries the handle the decode engine pulls the KV cache with."""
+    if outputs and outputs[0].kv_transfer_params is not None:
+        response["kv_transfer_params"] = outputs[0].kv_transfer_params
+    return response
 
 
 async def _completion_stream(state: ServerState, job: Job, request_id: str, created: int, model: str,

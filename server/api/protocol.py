@@ -96,6 +96,9 @@ class SamplingFields(APIModel):
         default=None, description="Keep this conversation's KV cache between turns; empty, null or -1 = stateless")
     return_token_ids: bool | None = False
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, description="P/D handoff: {do_remote_decode: true} on a prefill engine; the prefill's "
+                                  "returned handle (do_remote_prefill, remote_*) on a decode engine")
 
 
 # ----- OpenAI chat and completions ----------------------------------------------------------
@@ -203,6 +206,7 @@ class ChatCompletionResponse(StrictOut):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionChoice(StrictOut):
@@ -219,6 +223,7 @@ class CompletionResponse(StrictOut):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ModelCard(StrictOut):

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle session keeps its KV blocks")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="grace period for requests in flight after SIGTERM")
+    parser.add_argument("--kv-transfer-host", default=None,
+                        help="address the P/D KV transport listens on and advertises (default: --host, or this "
+                             "host's address when --host is 0.0.0.0)")
+    parser.add_argument("--kv-transfer-port", type=int, default=0, help="KV transport port (0: any free port)")
+    parser.add_argument("--proxy-url", default=None, help="register with this Tandem proxy on start-up")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(parser)
 
@@ -75,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(settings, lambda: LLMEngine(config), tokenizer=tokenizer, vocab_size=vocab_size,
-                    on_engine_failure=on_failure)
+                    on_engine_failure=on_failure, kv_transfer_host=_transport_host(args),
+                    kv_transfer_port=args.kv_transfer_port)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=max(0.0, settings.shutdown_timeout) or None,
                                access_log=args.log_level == "debug")
@@ -87,6 +93,19 @@ def run(args: argparse.Namespace) -> int:
              settings.role)
     server.run()
     return 1 if failed else 0
+
+
+def _transport_host(args: argparse.Namespace) -> str:
+    if args.kv_transfer_host:
+        return args.kv_transfer_host
+    if args.host not in ("0.0.0.0", "::", ""):
+        return args.host
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str, default_name: str,

@@ -31,6 +31,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MODEL_URI_SCHEMES = ("hf://", "pvc://", "/")
+NAME_MAX = 40  # children are named <name>-prefill, <name>-model-<hash>...: keep them DNS labels
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def _uri_ok(uri: str) -> bool:
 class ModelSpec(_Model):
     """The model to serve and where its weights come from."""
 
-    name: str = Field(..., min_length=1, description="The model name clients send in 'model' (--served-model-name)")
-    uri: str = Field(..., min_length=1, description="hf://org/repo, pvc://claim/path, or an absolute path in the image")
+    name: str = Field(..., min_length=1, max_length=256, description="The model name clients send in 'model' (--served-model-name)")
+    uri: str = Field(..., min_length=1, max_length=1024, description="hf://org/repo, pvc://claim/path, or an absolute path in the image")
     revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// models")
     credentials_secret: str | None = Field(
         None, description="Secret with key HF_TOKEN, used to download gated hf:// models")
@@ -281,7 +282,7 @@ class ObjectMeta(BaseModel):
     """The parts of metadata the plan uses; the rest is kept as given."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(..., min_length=1, max_length=40, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    name: str = Field(..., min_length=1, max_length=NAME_MAX, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
     namespace: str = "default"
     uid: str | None = None
     generation: int | None = None

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from e2e.cluster import paths, tools
-from e2e.cluster.harness import Cluster
+from e2e.cluster.harness import Cluster, ClusterError
 
 
 def _default_state_dir() -> Path:
@@ -29,6 +29,8 @@ def _up(args: argparse.Namespace) -> int:
     cluster.start()
     print(f"control plane up in {cluster.startup_seconds:.1f}s; logs in {cluster.state_dir / 'logs'}",
           file=sys.stderr)
+    for what, seconds in cluster.phases.items():
+        print(f"  {seconds:6.2f}s  {what}", file=sys.stderr)
     print(f"export KUBECONFIG={cluster.kubeconfig} PATH={cluster.bin_dir}:$PATH", file=sys.stderr)
     print(cluster.kubeconfig)
     return 0
@@ -91,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         tools.install(args.dest)
         return 0
     handlers = {"up": _up, "down": _down, "status": _status, "versions": _versions}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except (ClusterError, TimeoutError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -114,6 +114,8 @@ class Cluster:
         self._api: Api | None = None
         self.ports: Ports | None = None
         self.startup_seconds: float | None = None
+        self.phases: dict[str, float] = {}
+        """Seconds from start() to each readiness milestone (for the README's figures)."""
 
     # ---- public helpers -------------------------------------------------
 
@@ -203,6 +205,8 @@ class Cluster:
     # ---- bring-up steps -------------------------------------------------
 
     def _bring_up(self, deadline: float) -> None:
+        began = time.monotonic()
+        self.phases = {}
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.ports = Ports(*_free_ports(4))
         certs = pki.generate(self.state_dir / "pki")
@@ -215,23 +219,24 @@ class Cluster:
         self._api = Api(server, certs.ca, certs.admin)
 
         self._start("etcd", self._etcd_args())
-        self._wait("etcd to be healthy", self._etcd_healthy, deadline)
+        self._wait("etcd to be healthy", self._etcd_healthy, deadline, began)
         self._start("kube-apiserver", self._apiserver_args(certs))
-        self._wait("kube-apiserver /readyz", self._apiserver_ready, deadline)
+        self._wait("kube-apiserver /readyz", self._apiserver_ready, deadline, began)
         self._start("kube-controller-manager", self._controller_manager_args(certs))
         self._start("kube-scheduler", self._scheduler_args())
         self._start("kwok", self._kwok_args())
         self._register_nodes()
-        self._wait("fake GPU nodes to be Ready (kwok)", self._nodes_ready, deadline)
-        self._wait("controller-manager and scheduler leases", self._leaders_elected, deadline)
-        self._wait("the default ServiceAccount (controller-manager)", self._default_sa, deadline)
+        self._wait("fake GPU nodes to be Ready (kwok)", self._nodes_ready, deadline, began)
+        self._wait("controller-manager and scheduler leases", self._leaders_elected, deadline, began)
+        self._wait("the default ServiceAccount (controller-manager)", self._default_sa, deadline, began)
 
     def _start(self, name: str, args: list[str]) -> None:
         proc = procs.spawn(name, self.bin_dir / name, args, self.state_dir, self._tie_to_parent)
         self._procs.append(proc)
         self._save_state()
 
-    def _wait(self, what: str, check: Callable[[], bool], deadline: float) -> None:
+    def _wait(self, what: str, check: Callable[[], bool], deadline: float,
+              began: float | None = None) -> None:
         """wait_for, but fail fast with the log tail if one of our processes died."""
         def guarded() -> bool:
             for proc in self._procs:
@@ -241,6 +246,8 @@ class Cluster:
                         f"log {proc.log}:\n{proc.log_tail()}")
             return check()
         wait_for(what, guarded, timeout=max(1.0, deadline - time.monotonic()))
+        if began is not None:
+            self.phases[what] = round(time.monotonic() - began, 2)
 
     def _etcd_args(self) -> list[str]:
         assert self.ports is not None
@@ -384,6 +391,7 @@ class Cluster:
             "ports": asdict(self.ports) if self.ports else None,
             "pids": {p.name: p.pid for p in self._procs},
             "startup_seconds": self.startup_seconds,
+            "phases": self.phases,
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(state, indent=2) + "\n")
 

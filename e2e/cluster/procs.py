@@ -21,13 +21,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """preexec hook: the kernel SIGTERMs the child when the starting process dies.
+    """preexec hook: the kernel SIGKILLs the child when the starting process dies.
 
     A pytest run killed with SIGKILL cannot run its fixture finalizers; this
-    makes sure its control plane does not outlive it.
+    makes sure its control plane does not outlive it. SIGKILL, not SIGTERM:
+    all components get the signal at once, and an apiserver whose etcd
+    vanishes mid graceful-shutdown hangs; the data is throwaway anyway.
     """
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass

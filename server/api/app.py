@@ -1,7 +1,9 @@
 """The FastAPI app factory: routes, error handlers, auth, and the engine loop's lifetime."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from dataclasses import dataclass
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,7 +24,8 @@ log = logging.getLogger("tandem.api")
 
 def build_app(settings: ServerSettings, build_engine: Callable[[], LLMEngine], *, tokenizer: Any,
               vocab_size: int, on_engine_failure: Callable[[BaseException], None] | None = None,
-              kv_transfer_host: str = "127.0.0.1", kv_transfer_port: int = 0) -> FastAPI:
+              kv_transfer_host: str = "127.0.0.1", kv_transfer_port: int = 0,
+              registration: "ProxyRegistration | None" = None) -> FastAPI:
     """One server: the engine is built by ``build_engine`` on the engine thread at startup (the
     app answers 503 until it is ready) and stopped at shutdown.
 
@@ -42,10 +45,14 @@ def build_app(settings: ServerSettings, build_engine: Callable[[], LLMEngine], *
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        announce = asyncio.ensure_future(registration.announce(engine, settings)) if registration else None
         try:
             yield
         finally:
             state.draining = True
+            if announce is not None:
+                announce.cancel()
+                await registration.withdraw(settings)
             engine.shutdown()
             transport.close()
 
@@ -90,3 +97,31 @@ class _KVTransport:
             self.server.close()
         if self.puller is not None:
             self.puller.close()
+
+
+@dataclass(frozen=True)
+class ProxyRegistration:
+    """``--proxy-url``: join the proxy's node registry once the engine is ready, leave on shutdown."""
+
+    proxy_url: str
+    engine_url: str
+    api_key: str | None = None
+
+    async def announce(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        from tandem.server.proxy.registration import register_engine
+
+        while engine.state == "loading":
+            await asyncio.sleep(0.2)
+        if engine.state != "ready":
+            return
+        try:
+            await register_engine(self.proxy_url, self.engine_url, settings.role, [settings.served_model_name],
+                                  self.api_key)
+        except RuntimeError as exc:
+            log.error("%s", exc)
+
+    async def withdraw(self, settings: ServerSettings) -> None:
+        from tandem.server.proxy.registration import deregister_engine
+
+        await deregister_engine(self.proxy_url, self.engine_url, settings.role, [settings.served_model_name],
+                                self.api_key)

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "host's address when --host is 0.0.0.0)")
     parser.add_argument("--kv-transfer-port", type=int, default=0, help="KV transport port (0: any free port)")
     parser.add_argument("--proxy-url", default=None, help="register with this Tandem proxy on start-up")
+    parser.add_argument("--proxy-api-key", default=None,
+                        help="the proxy's API key for registering (default: $TANDEM_PROXY_API_KEY)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(parser)
 
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = build_app(settings, lambda: LLMEngine(config), tokenizer=tokenizer, vocab_size=vocab_size,
                     on_engine_failure=on_failure, kv_transfer_host=_transport_host(args),
-                    kv_transfer_port=args.kv_transfer_port)
+                    kv_transfer_port=args.kv_transfer_port, registration=_registration(args))
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=max(0.0, settings.shutdown_timeout) or None,
                                access_log=args.log_level == "debug")
@@ -93,6 +95,16 @@ def run(args: argparse.Namespace) -> int:
              settings.role)
     server.run()
     return 1 if failed else 0
+
+
+def _registration(args: argparse.Namespace) -> "ProxyRegistration | None":
+    from .app import ProxyRegistration
+
+    if not args.proxy_url:
+        return None
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else _transport_host(args)
+    return ProxyRegistration(args.proxy_url, f"http://{host}:{args.port}",
+                             args.proxy_api_key or os.environ.get("TANDEM_PROXY_API_KEY"))
 
 
 def _transport_host(args: argparse.Namespace) -> str:

@@ -256,7 +256,8 @@ async def _warmup(state: ProxyState) -> JSONResponse:
 
     async def connect(p_url: str, p_info: dict[str, Any], d_url: str) -> dict[str, Any]:
         body = {"remote_engine_id": p_info.get("engine_id"),
-                "remote_engine_endpoint_info": {"zmq_address": (p_info.get("transport") or {}).get("address")},
+                "remote_engine_endpoint_info": {"zmq_address": (p_info.get("transport") or {}).get("address")
+                                                        or p_info.get("address")},
                 "remote_engine_url": p_url}
         try:
             r = await client.post(d_url + "/distserve/p2p_connect", json=body, headers=headers, timeout=30.0)

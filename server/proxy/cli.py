@@ -25,11 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disagg-threshold", type=int, default=32,
                         help="prompts whose uncached part is estimated under this many tokens skip the prefill "
                              "engine (0: disaggregate everything)")
-    parser.add_argument("--policy", choices=POLICIES, default="score",
+    parser.add_argument("--policy", "--routing-policy", dest="policy", choices=POLICIES, default="score",
                         help="score: prefix affinity minus load; least_load; round_robin")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health polls")
     parser.add_argument("--dead-threshold", type=int, default=3,
                         help="failed polls in a row after which a registered node is dropped")
+    parser.add_argument("--startup-grace", type=float, default=600.0,
+                        help="seconds a registered node that never answered /health is kept (model loading)")
     parser.add_argument("--max-attempts", type=int, default=3, help="engines tried per step before giving up")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds an engine may take to answer")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                  if args.discovery == "kubernetes" else None)
     settings = ProxySettings(api_key=args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None, flow=flow,
                              static_nodes=nodes, health_interval=args.health_interval,
-                             dead_threshold=args.dead_threshold, discovery=discovery)
+                             dead_threshold=args.dead_threshold, startup_grace=args.startup_grace,
+                             discovery=discovery)
     app = build_app(settings)
     logging.getLogger("tandem.proxy").info("proxy on %s:%d with %d static node(s), discovery %s", args.host,
                                            args.port, len(nodes), args.discovery)

@@ -1,0 +1,126 @@
+"""Helpers for the proxy, P/D and ``tandem up`` tests (no tests here): a ``tandem proxy`` process
+on loopback, starting several processes at once, and waiting on engine and proxy state."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from .api_helpers import ServerProcess, free_port
+
+PROXY_KEY = "sk-proxy-key"
+
+
+class ProxyProcess:
+    """``tandem proxy`` in a subprocess; ``stop`` sends SIGTERM, then SIGKILL."""
+
+    def __init__(self, *extra: str, api_key: str | None = PROXY_KEY, log_path: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "tandem.server.cli", "proxy", "--host", "127.0.0.1", "--port", str(self.port),
+               "--log-level", "warning", *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ)
+        env.pop("TANDEM_PROXY_API_KEY", None)
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=json, headers=self.headers, timeout=60, **kw)
+
+    def nodes(self) -> dict[str, dict]:
+        return self.get("/nodes/status").json()
+
+    def wait_nodes(self, predicate: Callable[[dict[str, dict]], bool], timeout: float = 60.0) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout
+        nodes: dict[str, dict] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                nodes = self.nodes()
+                if predicate(nodes):
+                    return nodes
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"proxy nodes never matched: {nodes}\n{self.log_tail()}")
+
+    def wait_healthy(self, urls: list[str], timeout: float = 60.0) -> dict[str, dict]:
+        return self.wait_nodes(lambda n: all(n.get(u, {}).get("healthy") for u in urls), timeout)
+
+    def metrics(self) -> str:
+        return self.get("/metrics").text
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+def kill(server: ServerProcess) -> None:
+    """SIGKILL an engine (no drain, no goodbye): what a crashed pod looks like to the proxy."""
+    if server.proc.poll() is None:
+        server.proc.kill()
+        server.proc.wait()
+
+
+def stop_all(procs: list[Any]) -> None:
+    """Stop everything started, whatever state it is in (fixture finalizers)."""
+    for p in procs:
+        try:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        except Exception:  # noqa: BLE001
+            pass
+    for p in procs:
+        try:
+            p.stop(timeout=20)
+        except Exception:  # noqa: BLE001
+            p.proc.kill()
+
+
+def wait_free(server: ServerProcess, timeout: float = 30.0) -> dict:
+    """Until the engine runs nothing and every block is free (no session holds any)."""
+    return server.wait_idle(timeout=timeout)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text, 0 if absent."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return 0.0

@@ -7,11 +7,12 @@
 #   bash e2e/setup.sh            # build once, reuse afterwards
 #   TANDEM_E2E_CACHE=/path ...   # cache root (default ~/.cache/tandem-e2e)
 #   TANDEM_E2E_BUILD_JOBS=2 ...  # go build -p (default: nproc)
+#   PYTHON=/path/to/python ...   # interpreter with pip (default: python, else python3)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
-python=${PYTHON:-python3}
+python=${PYTHON:-$(command -v python || command -v python3)}
 cd "$repo"
 
 bin=$("$python" -m e2e.cluster bin-dir)
@@ -26,7 +27,7 @@ have_all() {
 if have_all etcd kube-apiserver kube-controller-manager kube-scheduler kwok; then
   log "control plane: reusing $bin"
 else
-  log "control plane: building into $bin (cold: ~see e2e/README.md)"
+  log "control plane: building into $bin (cold: ~10 min on 2 cores, see e2e/README.md)"
   start=$SECONDS
   tmp=$(mktemp -d "$bin/../build.XXXXXX")
   bash "$here/cluster/build.sh" "$tmp"

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -208,6 +210,9 @@ class Cluster:
         began = time.monotonic()
         self.phases = {}
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        # A state dir reused after `down` must not resurrect the old cluster's data.
+        for stale in ("etcd", "logs", "apiserver", "kube-cache", "helm"):
+            shutil.rmtree(self.state_dir / stale, ignore_errors=True)
         self.ports = Ports(*_free_ports(4))
         certs = pki.generate(self.state_dir / "pki")
         server = f"https://127.0.0.1:{self.ports.apiserver}"
@@ -345,7 +350,6 @@ class Cluster:
 
     def _etcd_healthy(self) -> bool:
         assert self.ports is not None
-        import urllib.request
         url = f"http://127.0.0.1:{self.ports.etcd_client}/health"
         with urllib.request.urlopen(url, timeout=2) as resp:
             return json.loads(resp.read()).get("health") == "true"

@@ -145,6 +145,25 @@ def _add_openai_routes(app: FastAPI) -> None:
         body = await _json_body(request)
         return await get_state(request).flow.handle("completions", body, request)
 
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> Response:
+        """Free a session's blocks on the engine holding it (every decode engine if unknown)."""
+        state = get_state(request)
+        flow = state.flow
+        held = flow.sessions.get(session_id)
+        urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
+        last: Response = JSONResponse(error_body(f"session {session_id!r} does not exist", type="not_found_error",
+                                                 code="session_not_found", param="session_id"), status_code=404)
+        for url in urls:
+            try:
+                r = await state.client.delete(f"{url}/v1/sessions/{session_id}", headers=flow.headers, timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            if r.status_code < 400:
+                flow.sessions.forget(session_id)
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return last
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         """Every model some healthy engine serves."""

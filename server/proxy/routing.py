@@ -147,6 +147,9 @@ class SessionTable:
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
 
+    def forget(self, session_id: str) -> None:
+        self._map.pop(session_id, None)
+
     def forget_node(self, node: str) -> None:
         for sid in [s for s, n in self._map.items() if n == node]:
             del self._map[sid]

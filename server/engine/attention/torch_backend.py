@@ -79,10 +79,25 @@ class _TorchStep(AttentionStep):
             b, nb = g.block_tables.shape
             gathered = pages[:, g.block_tables].view(2, b, nb * pages.shape[2], *pages.shape[3:])
             kg, vg = gathered.to(q.dtype).transpose(2, 3).unbind(0)  # [B, H_kv, Lk, D] each
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
+            if qg.shape[2] == 1:
+                og = _grouped_decode(qg, kg, vg, g.mask, self.scale)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
         return out
 
 
 def _padded(table: list[int], width: int) -> list[int]:
     return table[:width] + [0] * (width - len(table))
+
+
+def _grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One query per sequence: the query heads sharing a KV head attend as one matrix row block,
+    so K and V are never expanded per query head (SDPA's GQA path copies them on CPU)."""
+    b, h, _, d = q.shape
+    h_kv = k.shape[1]
+    qg = q.view(b, h_kv, h // h_kv, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, H_kv, G, Lk]
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, Lk] broadcasts
+    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, 1, d)

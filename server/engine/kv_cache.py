@@ -14,18 +14,24 @@ class KVCache:
 
     Per layer, ``k`` and ``v`` are ``[num_blocks, block_size, kv_heads, head_dim]`` views, the
     paged NHD layout FlashInfer reads; ``flat`` views them as ``[slots, kv_heads, head_dim]``.
+    Under tensor parallelism each rank holds its own ``kv_heads / tp`` heads
+    (``num_kv_heads``); block ids are the same on every rank. Block 0 is the null page.
     """
 
     def __init__(self, cfg: "ModelConfig", num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_kv_heads: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = num_kv_heads or cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.data = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
-                                cfg.head_dim, dtype=dtype, device=device)
+        self.data = self._allocate()
+
+    def _allocate(self) -> torch.Tensor:
+        return torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                           dtype=self.dtype, device=self.device)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[layer, 0], self.data[layer, 1]
@@ -38,11 +44,10 @@ class KVCache:
         """Drop the cache memory (sleep mode); ``restore`` allocates it again, zeroed."""
         self.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
-    def restore(self, cfg: "ModelConfig") -> None:
-        self.data = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                self.head_dim, dtype=self.dtype, device=self.device)
+    def restore(self, cfg: "ModelConfig | None" = None) -> None:
+        self.data = self._allocate()
 
     @staticmethod
-    def bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        return cfg.num_hidden_layers * 2 * block_size * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * itemsize

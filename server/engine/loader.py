@@ -2,7 +2,10 @@
 
 Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, packs
 q/k/v and gate/up into their fused layers, converts to the target dtype, and ties the
-output embedding when the config says so.
+output embedding when the config says so. Under tensor parallelism each rank keeps only its
+slice: the rows of every packed shard (q, k, v, gate, up: split per shard, not over the
+packed tensor) and the input columns of the row-parallel layers (o_proj, down_proj); the
+rest (embeddings, norms, lm_head, row-parallel biases) is replicated.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from torch import nn
 
 from .models import family_of
 from .models.config import DTYPES, ModelConfig
-from .models.layers import PackedLinear
+from .models.layers import PackedLinear, RowParallelLinear
+from .parallel import SINGLE, TensorParallel
 
 _PACKED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _PACKED_PARENT = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -51,13 +55,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel = SINGLE) -> nn.Module:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise ModelLoadError(f"{model_dir} has no config.json")
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = family_of(cfg.architecture)(cfg)
+        model = family_of(cfg.architecture)(cfg, tp)
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
@@ -89,12 +94,25 @@ def _load_tensor(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter
             raise ModelLoadError(f"unexpected tensor {name}")
         offset, size = layer.shard_offsets[shard]
         target = getattr(layer, kind)
-        _copy(target.data[offset:offset + size], tensor, name)
+        _copy(target.data[offset:offset + size], _rank_slice(tensor, 0, layer.tp_rank, layer.tp_size, name), name)
         return f"{parent}.{kind}"
     if name not in params:
         raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    owner = modules.get(name.rpartition(".")[0])
+    if isinstance(owner, RowParallelLinear) and name.endswith(".weight"):
+        tensor = _rank_slice(tensor, 1, owner.tp_rank, owner.tp_size, name)
     _copy(params[name].data, tensor, name)
     return name
+
+
+def _rank_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    """Rank ``rank``'s equal part of ``tensor`` along ``dim`` (the whole tensor with one rank)."""
+    if size == 1:
+        return tensor
+    if tensor.dim() <= dim or tensor.shape[dim] % size:
+        raise ModelLoadError(f"tensor {name} of shape {tuple(tensor.shape)} cannot be split {size} ways "
+                             f"along dim {dim}")
+    return tensor.narrow(dim, rank * (tensor.shape[dim] // size), tensor.shape[dim] // size)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -3,7 +3,11 @@
 The model never sees block tables: the runner describes the step's batch layout, the
 backend turns it into whatever its kernels need (``plan``), and each layer calls
 ``forward`` on the resulting step object, which writes the new K/V into their slots and
-attends over each sequence's pages. A FlashInfer backend plugs in behind the same two calls.
+attends over each sequence's pages. The FlashInfer backend plugs in behind the same calls.
+
+A backend that can run inside a CUDA graph (``supports_cuda_graphs``) also hands out, per
+captured batch size, a step bound to static buffers (``graph_step``) and re-plans those
+buffers before each replay (``plan_graph``), outside the graph.
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
 
 class AttentionStep(ABC):
     @abstractmethod
@@ -40,7 +48,16 @@ class AttentionStep(ABC):
 
 class AttentionBackend(ABC):
     name: str
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def plan(self, layout: BatchLayout) -> AttentionStep:
         """Build the per-step metadata once; the step object is reused by every layer."""
+
+    def graph_step(self, batch_size: int, slot_mapping: torch.Tensor, max_blocks_per_seq: int) -> AttentionStep:
+        """A decode step for ``batch_size`` rows reading only static buffers (for capture)."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run in a CUDA graph")
+
+    def plan_graph(self, batch_size: int, layout: BatchLayout) -> None:
+        """Fill the static buffers of ``graph_step(batch_size)`` for this (padded) decode batch."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run in a CUDA graph")

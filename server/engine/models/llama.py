@@ -11,21 +11,25 @@ import torch
 from torch import nn
 
 from ..attention.base import AttentionStep
+from ..parallel import SINGLE, TensorParallel
 from .config import ModelConfig
-from .layers import GatedMLP, PackedLinear, RMSNorm
+from .layers import GatedMLP, PackedLinear, RMSNorm, RowParallelLinear
 from .rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """Under tensor parallelism each rank holds ``heads / tp`` query and ``kv_heads / tp`` KV heads."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = tp.divide(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.divide(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -45,10 +49,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, rotary)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.self_attn = Attention(cfg, layer_idx, rotary, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -58,11 +63,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The embedding, the final norm (and the lm_head above) are replicated on every TP rank."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
@@ -80,10 +87,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(raw.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(raw.get("mlp_bias", False)), "qk_norm": False}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

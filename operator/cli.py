@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     load_config(args.kubeconfig)  # sets the default client configuration that kopf's login uses
     namespaces = args.namespaces or [n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n]
     registry = build_registry(OperatorOptions(render=options, resync_seconds=args.resync_seconds,
-                                              peering=args.peering))
+                                              peering=args.peering, namespaces=tuple(namespaces)))
     kopf.run(registry=registry, clusterwide=not namespaces, namespaces=namespaces,
              standalone=not args.peering, peering_name=args.peering,
              liveness_endpoint=args.liveness or None)

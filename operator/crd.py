@@ -150,7 +150,9 @@ def crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "tandem"}},
+        # helm keeps the CRD on uninstall: deleting it would delete every InferenceService.
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "tandem"},
+                     "annotations": {"helm.sh/resource-policy": "keep"}},
         "spec": {
             "group": s.GROUP,
             "scope": "Namespaced",

@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from .kube import Kube
+from .kube import Kube, KubeError
 from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
 from .render import MANAGER, ROLE_LABEL, RenderOptions, download_job_name, render
 from .spec import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
@@ -44,6 +44,8 @@ class OperatorOptions:
     resync_seconds: float = 60.0
     peering: str | None = None
     """kopf peering object for leader election among replicas; None runs standalone."""
+    namespaces: tuple[str, ...] = ()
+    """Watched namespaces; empty is cluster-wide (and a ClusterKopfPeering)."""
 
 
 @dataclass
@@ -84,6 +86,24 @@ def _isvc(body: kopf.Body | dict[str, Any]) -> InferenceService:
         raise kopf.PermanentError(str(exc)) from None
 
 
+def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...]) -> None:
+    """kopf needs its peering object to exist; create it (idempotently) rather than make
+    every installation do it by hand. A CR cannot ship in the chart beside its own CRD."""
+    if namespaces:
+        targets = [(f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings",
+                    {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": ns}})
+                   for ns in namespaces]
+    else:
+        targets = [("/apis/kopf.dev/v1/clusterkopfpeerings",
+                    {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}})]
+    for path, body in targets:
+        try:
+            kube.request("POST", path, body)
+        except KubeError as exc:
+            if exc.status != 409:  # 409: it exists already
+                raise
+
+
 def _plain(body: kopf.Body | dict[str, Any]) -> dict[str, Any]:
     """A detached dict copy of an InferenceService body (kopf's Body is a live view)."""
     return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
@@ -122,21 +142,21 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
     # ---- indexes: kopf's watches, summarised, keyed by (namespace, InferenceService name) ----
 
-    @kopf.index(*isvc_resource, registry=registry)
+    @kopf.index(*isvc_resource, id="isvc_bodies", registry=registry)
     def isvc_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
         return {(namespace, name): _plain(body)}
 
-    @kopf.index("apps", "v1", "deployments", labels=MANAGED, registry=registry)
+    @kopf.index("apps", "v1", "deployments", id="child_deployments", labels=MANAGED, registry=registry)
     def child_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
         owner, role = labels.get(ENGINE_SELECTOR_LABEL), labels.get(ROLE_LABEL)
         return {(namespace, owner): summarize_deployment(dict(body), role)} if owner and role else {}
 
-    @kopf.index("", "v1", "pods", labels=MANAGED, registry=registry)
+    @kopf.index("", "v1", "pods", id="child_pods", labels=MANAGED, registry=registry)
     def child_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
         owner, role = labels.get(ENGINE_SELECTOR_LABEL), labels.get(ROLE_LABEL)
         return {(namespace, owner): summarize_pod(dict(body), role)} if owner and role else {}
 
-    @kopf.index("batch", "v1", "jobs", labels=MANAGED, registry=registry)
+    @kopf.index("batch", "v1", "jobs", id="child_jobs", labels=MANAGED, registry=registry)
     def child_jobs(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
         owner = labels.get(ENGINE_SELECTOR_LABEL)
         return {(namespace, owner): summarize_job(dict(body))} if owner else {}
@@ -156,6 +176,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     def connect(**_: Any) -> None:
         from .kube import client
         state.kube = Kube(client.ApiClient())
+        if options.peering:
+            ensure_peering(state.kube, options.peering, options.namespaces)
 
     async def refresh_status(key: tuple[str, str], body: dict[str, Any], indexes: dict[str, kopf.Index]) -> None:
         """Recompute status from the indexes and write it if it changed."""

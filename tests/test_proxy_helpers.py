@@ -114,7 +114,8 @@ def wait_free(server: ServerProcess, timeout: float = 30.0) -> dict:
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text, 0 if absent."""
+    """The sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    total = 0.0
     for line in text.splitlines():
         if not line.startswith(name):
             continue
@@ -122,5 +123,5 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if head.split("{")[0] != name:
             continue
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            return float(value)
-    return 0.0
+            total += float(value)
+    return total

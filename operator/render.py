@@ -19,6 +19,7 @@ from .spec import API_VERSION, GPU_RESOURCE, KIND, InferenceService, Resources
 
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem:0.1.0"
 ROLE_LABEL = "tandem.dev/role"
+MODEL_ANNOTATION = "tandem.dev/served-model-name"
 MANAGER = "tandem-operator"
 PRESTOP_SECONDS = 5      # let the proxy and EndpointSlices drop the pod before SIGTERM
 GRACE_MARGIN_SECONDS = 10
@@ -195,7 +196,10 @@ def engine_deployment(isvc: InferenceService, topology: Topology, role: RolePlan
         # Surge first so capacity never drops during a roll (it waits for a free GPU slot).
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
-        "template": {"metadata": {"labels": labels(topology, "engine", role.role)}, "spec": pod_spec},
+        "template": {"metadata": {"labels": labels(topology, "engine", role.role),
+                                  # the proxy's discovery reads the model name from here
+                                  "annotations": {MODEL_ANNOTATION: topology.served_model_name}},
+                     "spec": pod_spec},
     }
     if role.autoscaling is None:
         spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its HPA

@@ -127,6 +127,10 @@ class EngineSpec(_Model):
     attention_backend: Literal["auto", "torch", "flashinfer"] | None = Field(None, description="Attention kernels")
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs")
     seed: int | None = Field(None, description="Sampling seed for requests without their own")
+    kv_lease_seconds: float | None = Field(
+        None, gt=0, description="Seconds a prefill engine holds exported KV blocks for the decode engine to pull")
+    kv_pull_fallback: Literal["error", "recompute"] | None = Field(
+        None, description="When a decode engine cannot pull the KV cache: fail the request, or recompute the prefill")
     extra_args: list[str] = Field(default_factory=list, description="More 'tandem serve' flags, appended as given")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the engine containers")
     shutdown_timeout_seconds: int = Field(
@@ -222,7 +226,8 @@ class ProxySpec(_Model):
     """The OpenAI front door: picks engines per request and runs the P/D flow."""
 
     replicas: int = Field(1, ge=0, description="Proxy replicas")
-    routing_policy: str | None = Field(None, description="Proxy routing policy (default: the proxy's)")
+    routing_policy: Literal["score", "least_load", "round_robin"] | None = Field(
+        None, description="How the proxy picks engines (default: the proxy's, score)")
     api_key_secret: SecretKeyRef | None = Field(None, description="Require this API key from clients")
     service: ServiceSpec = Field(default_factory=ServiceSpec, description="The endpoint's Service")
     resources: Resources | None = Field(None, description="Proxy container resources")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -55,6 +56,34 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
+# Weights that live in memory instead of files, by model directory (benchmarks on random weights).
+_IN_MEMORY: dict[Path, Mapping[str, torch.Tensor]] = {}
+
+
+def register_in_memory_weights(model_dir: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load ``model_dir`` (its config.json, tokenizer) with these tensors instead of its safetensors.
+
+    The tensors are copied into the model (converted and sharded as file weights are), so the
+    caller may free them after the engine is built. ``forget_in_memory_weights`` undoes it.
+    """
+    _IN_MEMORY[Path(model_dir).resolve()] = tensors
+
+
+def forget_in_memory_weights(model_dir: str | Path) -> None:
+    _IN_MEMORY.pop(Path(model_dir).resolve(), None)
+
+
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    in_memory = _IN_MEMORY.get(model_dir.resolve())
+    if in_memory is not None:
+        yield from in_memory.items()
+        return
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel = SINGLE) -> nn.Module:
     model_dir = Path(model_dir)
@@ -70,12 +99,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                loaded.add(_load_tensor(name, f.get_tensor(name), params, modules))
+    for name, tensor in _checkpoint_tensors(model_dir):
+        if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        loaded.add(_load_tensor(name, tensor, params, modules))
     expected = {n for n in params if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
     missing = expected - loaded
     if missing:

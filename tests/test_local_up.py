@@ -1,0 +1,144 @@
+"""``tandem up``: the plan it runs (from the operator's own plan()), and the real thing: the proxy and
+a prefill and a decode engine as processes, answering the official ``openai`` client, all stopped by Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tandem.server import local
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    local.add_arguments(parser)
+    ns = parser.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _spec(tmp_path: Path, **spec) -> str:
+    doc = {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "demo"},
+           "spec": spec}
+    path = tmp_path / f"isvc{len(list(tmp_path.glob('isvc*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) -> None:
+    topo = local.load_plan(_args(model=str(llama_dir)))
+    assert topo.mode == "Disaggregated" and topo.served_model_name == local.DEFAULT_NAME
+    roles = {r.role: r for r in topo.roles}
+    assert (roles["prefill"].replicas, roles["decode"].replicas) == (1, 1)
+    args = roles["prefill"].args
+    assert args[:2] == ["serve", "--model"] and args[2] == str(llama_dir) and "--role" in args
+    assert "--disagg-threshold" in roles["proxy"].args and "--discovery" not in roles["proxy"].args
+
+
+def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
+    f = _spec(tmp_path, mode="Disaggregated", model={"name": "m", "uri": str(llama_dir)},
+              engine={"blockSize": 16, "kvCacheTokens": 2048}, prefill={"replicas": 1, "gpus": 0})
+    topo = local.load_plan(_args(file=f, prefill=2, decode=3))
+    assert [(r.role, r.replicas) for r in topo.engines] == [("prefill", 2), ("decode", 3)]
+    assert "--kv-cache-tokens" in topo.engines[0].args and "m" in topo.engines[0].args
+    children = local.build_children(topo, 9999, tmp_path, api_key="k", base_env={"PATH": "/bin"})
+    assert [c.role for c in children] == ["proxy", "prefill", "prefill", "decode", "decode", "decode"]
+    assert len({c.port for c in children}) == len(children)
+    engine = children[1].argv
+    assert engine[engine.index("--proxy-url") + 1] == "http://127.0.0.1:9999"
+    assert engine[engine.index("--proxy-api-key") + 1] == "k" and engine[engine.index("--host") + 1] == "127.0.0.1"
+    assert children[0].argv[children[0].argv.index("--api-key") + 1] == "k"
+    assert children[1].env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 5))
+
+    hf = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
+    with pytest.raises(local.UpError, match="does not download"):
+        local.load_plan(_args(file=hf))
+    assert local.load_plan(_args(file=hf, model=str(llama_dir))).engines[0].args[2] == str(llama_dir)
+    with pytest.raises(local.UpError, match="PersistentVolumeClaim"):
+        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "pvc://claim/x"})))
+    with pytest.raises(local.UpError, match="no model at"):
+        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "/nonexistent/model"})))
+    agg = _spec(tmp_path, mode="Aggregated", model={"name": "m", "uri": str(llama_dir)})
+    assert [r.role for r in local.load_plan(_args(file=agg, decode=2)).engines] == ["both"]
+    with pytest.raises(local.UpError, match="Aggregated"):
+        local.load_plan(_args(file=agg, prefill=1))
+    with pytest.raises(local.UpError, match="invalid InferenceService"):
+        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "relative/path"})))
+    with pytest.raises(local.UpError, match="no decode"):
+        local.load_plan(_args(file=f, decode=0))
+    with pytest.raises(local.UpError, match="cannot read"):
+        local.load_plan(_args(file=str(tmp_path / "missing.yaml")))
+
+
+def test_up_cli_error_exits_2(tmp_path: Path) -> None:
+    f = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
+    r = subprocess.run([sys.executable, "-m", "tandem.server.cli", "up", "-f", f], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "does not download" in r.stderr
+
+
+def _port_open(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    env = dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
+    env.pop("TANDEM_PROXY_API_KEY", None)
+    env.pop("TANDEM_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.server.cli", "up", "--port", "0", "--api-key", "sk-up",
+                             "--log-dir", str(tmp_path / "logs"), "--grace", "10"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        base = None
+        while time.monotonic() < deadline and base is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.search(r"OpenAI base URL: (\S+)", line):
+                base = m.group(1)
+        assert base, "".join(lines)
+        engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
+        assert len(engine_urls) == 2
+        client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tandem-tiny"]
+        r = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="tandem-tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+        assert text
+        metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
+        assert 'mode="disaggregated"' in metrics  # the default topology really ran prefill -> decode
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for url in [base.removesuffix("/v1"), *engine_urls]:
+            assert not _port_open(url), f"{url} still answers after Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()

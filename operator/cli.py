@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        logging.getLogger("kopf").setLevel(logging.WARNING)  # one line per handled event is noise
     options = RenderOptions(image=args.image, image_pull_policy=args.image_pull_policy)
     if args.render:
         return _render(args.render, options)

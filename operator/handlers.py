@@ -104,6 +104,22 @@ def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...]) -> None:
                 raise
 
 
+def connection_info() -> kopf.ConnectionInfo:
+    """kopf's connection from the official client's default configuration."""
+    from kubernetes import client
+
+    conf = client.Configuration.get_default_copy()
+    auth = (conf.api_key or {}).get("authorization") or (conf.api_key or {}).get("BearerToken")
+    scheme, _, token = (auth or "").partition(" ")
+    if not conf.refresh_api_key_hook and auth and not token:
+        scheme, token = "Bearer", auth
+    return kopf.ConnectionInfo(
+        server=conf.host, ca_path=conf.ssl_ca_cert, insecure=not conf.verify_ssl,
+        scheme=scheme or None, token=token or None,
+        certificate_path=conf.cert_file, private_key_path=conf.key_file,
+        username=conf.username or None, password=conf.password or None)
+
+
 def _plain(body: kopf.Body | dict[str, Any]) -> dict[str, Any]:
     """A detached dict copy of an InferenceService body (kopf's Body is a live view)."""
     return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
@@ -137,8 +153,10 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             settings.peering.standalone = True
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        """The credentials ``load_config`` resolved (in-cluster, or the --kubeconfig given),
+        not kopf's own guess, so the operator and its client always act as the same user."""
+        return connection_info()
 
     # ---- indexes: kopf's watches, summarised, keyed by (namespace, InferenceService name) ----
 
@@ -189,7 +207,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         if status_changed(previous, new):
             await asyncio.to_thread(kube().patch_status, key[0], key[1], new)
 
-    async def reconcile(body: dict[str, Any], namespace: str, name: str, logger: kopf.Logger | logging.Logger,
+    async def reconcile(body: dict[str, Any], namespace: str, name: str,
                         indexes: dict[str, kopf.Index], prune: bool) -> None:
         key = (namespace, name)
         body = _plain(body)
@@ -217,30 +235,30 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             await asyncio.to_thread(apply_all)
             generation = int(body["metadata"].get("generation") or 0)
             state.applied_generation[key] = generation
-            logger.info("applied %d objects for generation %s", len(manifests), generation)
+            log.info("[%s/%s] applied %d objects for generation %s", namespace, name, len(manifests), generation)
             await refresh_status(key, body, indexes)
 
     def _indexes(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
         return {k: kwargs[k] for k in ("child_deployments", "child_pods", "child_jobs")}
 
     @kopf.on.create(*isvc_resource, registry=registry)
-    async def created(body: kopf.Body, namespace: str, name: str, logger: kopf.Logger, **kwargs: Any) -> None:
-        await reconcile(body, namespace, name, logger, _indexes(kwargs), prune=False)
+    async def created(body: kopf.Body, namespace: str, name: str, **kwargs: Any) -> None:
+        await reconcile(body, namespace, name, _indexes(kwargs), prune=False)
 
     @kopf.on.update(*isvc_resource, field="spec", registry=registry)
-    async def updated(body: kopf.Body, namespace: str, name: str, logger: kopf.Logger, **kwargs: Any) -> None:
-        await reconcile(body, namespace, name, logger, _indexes(kwargs), prune=True)
+    async def updated(body: kopf.Body, namespace: str, name: str, **kwargs: Any) -> None:
+        await reconcile(body, namespace, name, _indexes(kwargs), prune=True)
 
     @kopf.on.resume(*isvc_resource, registry=registry)
-    async def resumed(body: kopf.Body, namespace: str, name: str, logger: kopf.Logger, **kwargs: Any) -> None:
-        await reconcile(body, namespace, name, logger, _indexes(kwargs), prune=True)
+    async def resumed(body: kopf.Body, namespace: str, name: str, **kwargs: Any) -> None:
+        await reconcile(body, namespace, name, _indexes(kwargs), prune=True)
 
     @kopf.timer(*isvc_resource, interval=options.resync_seconds, initial_delay=options.resync_seconds,
                 registry=registry)
-    async def resync(body: kopf.Body, namespace: str, name: str, logger: kopf.Logger, **kwargs: Any) -> None:
+    async def resync(body: kopf.Body, namespace: str, name: str, **kwargs: Any) -> None:
         """Converge on a timer too: heals a hand-deleted child and catches a missed event.
         Also how engines appear once an hf:// download finishes."""
-        await reconcile(body, namespace, name, logger, _indexes(kwargs), prune=False)
+        await reconcile(body, namespace, name, _indexes(kwargs), prune=False)
 
     @kopf.on.delete(*isvc_resource, optional=True, registry=registry)
     def deleted(namespace: str, name: str, **_: Any) -> None:
@@ -262,7 +280,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             job = summarize_job(obj)
             if job.succeeded:  # the model is in the cache: now render the engines
                 state.models_ready.add((namespace, owner, job.name))
-                await reconcile(body, namespace, owner, log, _indexes(kwargs), prune=False)
+                await reconcile(body, namespace, owner, _indexes(kwargs), prune=False)
                 return
         async with state.lock(key):
             # The index may lag our own status write; refresh_status compares with it, which

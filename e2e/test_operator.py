@@ -1,0 +1,380 @@
+"""The operator, its CRD and its Helm chart against the real control plane.
+
+The chart is installed with helm; the operator itself runs here as a subprocess
+(``tandem operator``) with the chart's ServiceAccount token, so the chart's RBAC is what it
+runs under: a missing permission fails these tests. kwok's fake GPU nodes run the pods
+(the containers never start; kwok marks them Ready), so status, scheduling on
+``nvidia.com/gpu``, rollouts and garbage collection are real, and the engines are not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import Cluster, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RELEASE, RELEASE_NS = "tandem", "tandem-system"
+PEERING = "tandem-e2e"
+
+
+def _isvc(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    body = {"model": {"name": "tiny", "uri": "/opt/models/tiny"}, **spec}
+    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace}, "spec": body}
+
+
+def _apply(cluster: Cluster, obj: dict[str, Any], check: bool = True, *extra: str) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl("apply", *extra, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def _get(cluster: Cluster, kind: str, name: str, namespace: str) -> dict[str, Any]:
+    return cluster.kubectl_json("get", kind, name, "-n", namespace)
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+    items = cluster.kubectl_json("get", kinds, "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}",
+                                 "--show-managed-fields")["items"]
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
+
+
+# ---- node heartbeat -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def node_heartbeat(cluster: Cluster) -> Iterator[None]:
+    """Renew the fake nodes' Leases. kwok (as the harness starts it) renews none, so the node
+    lifecycle controller declares the nodes unreachable after its grace period and marks every
+    pod NotReady, which kwok never undoes. The harness fix: kwok --node-lease-duration-seconds=40."""
+    from tandem.operator.kube import Kube, load_config
+
+    kube = Kube(load_config(str(cluster.kubeconfig)))
+    nodes = [n["metadata"]["name"] for n in cluster.kubectl_json("get", "nodes")["items"]]
+    stop = threading.Event()
+
+    def renew() -> None:
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        for node in nodes:
+            kube.request("PATCH", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node}",
+                         {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                          "metadata": {"name": node, "namespace": "kube-node-lease"},
+                          "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": now}},
+                         query=[("fieldManager", "e2e-heartbeat"), ("force", "true")],
+                         content_type="application/apply-patch+yaml")
+
+    def loop() -> None:
+        while not stop.wait(5):
+            try:
+                renew()
+            except Exception as exc:  # keep beating through an apiserver hiccup
+                print(f"[e2e] lease renewal failed: {exc}", file=sys.stderr)
+
+    renew()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(timeout=10)
+
+
+# ---- the chart and the operator ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chart(cluster: Cluster, node_heartbeat: None) -> Iterator[None]:
+    cluster.helm("install", RELEASE, str(ROOT / "helm/tandem"), "-n", RELEASE_NS, "--create-namespace",
+                 "--set", f"peering.name={PEERING}", "--set", "image.tag=e2e", "--wait", "--timeout", "120s")
+    cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tandem.dev",
+                    "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s")
+    yield
+    cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "60s", check=False)
+
+
+class Operator:
+    """``tandem operator`` as a subprocess under the chart's ServiceAccount."""
+
+    def __init__(self, cluster: Cluster, workdir: Path) -> None:
+        self.cluster = cluster
+        self.log = workdir / "operator.log"
+        self.kubeconfig = workdir / "operator.kubeconfig"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def write_kubeconfig(self) -> None:
+        token = self.cluster.kubectl("create", "token", RELEASE, "-n", RELEASE_NS, "--duration=2h").stdout.strip()
+        admin = yaml.safe_load(self.cluster.kubeconfig.read_text())
+        cluster_entry = admin["clusters"][0]
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [cluster_entry],
+            "users": [{"name": "operator", "user": {"token": token}}],
+            "contexts": [{"name": "operator", "context": {"cluster": cluster_entry["name"], "user": "operator"}}],
+            "current-context": "operator"}))
+
+    def start(self) -> None:
+        self.starts += 1
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBECONFIG", None)
+        with self.log.open("a") as log:
+            log.write(f"\n===== start {self.starts} =====\n")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem.server.cli", "operator", "--kubeconfig", str(self.kubeconfig),
+                 "--peering", PEERING, "--liveness", "", "--resync-seconds", "30", "--image", "tandem:e2e"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        time.sleep(1)
+        assert self.running(), self.tail()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM: kopf leaves the peering on a graceful stop, so a successor leads at once."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def output_since_start(self) -> str:
+        text = self.log.read_text()
+        return text[text.rfind(f"===== start {self.starts} ====="):]
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text().splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(cluster, tmp_path_factory.mktemp("operator"))
+    op.write_kubeconfig()
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(f"\n[e2e] operator log tail:\n{op.tail(15)}", file=sys.stderr)
+
+
+def _wait_ready(cluster: Cluster, op: Operator, namespace: str, name: str, timeout: float = 90) -> dict[str, Any]:
+    def ready() -> bool:
+        return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("status") == "True"
+
+    try:
+        wait_for(f"{namespace}/{name} to be Ready", ready, timeout=timeout, interval=1)
+    except TimeoutError:
+        print(json.dumps(_get(cluster, "tisvc", name, namespace).get("status"), indent=1), file=sys.stderr)
+        print(op.tail(), file=sys.stderr)
+        raise
+    return _get(cluster, "tisvc", name, namespace)
+
+
+# ---- the chart ------------------------------------------------------------------------------
+
+def test_chart_installs_lints_and_upgrades(cluster: Cluster, chart: None) -> None:
+    lint = cluster.helm("lint", "--strict", str(ROOT / "helm/tandem"))
+    assert "0 chart(s) failed" in lint.stdout
+    status = json.loads(cluster.helm("status", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    deployment = _get(cluster, "deployment", "tandem", RELEASE_NS)
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "operator" and f"--peering={PEERING}" in args
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "tandem"
+    # the CRD is a template, so an upgrade updates it (helm never upgrades crds/)
+    crd = cluster.kubectl_json("get", "crd", "inferenceservices.tandem.dev")
+    assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == RELEASE
+    cluster.helm("upgrade", RELEASE, str(ROOT / "helm/tandem"), "-n", RELEASE_NS, "--reuse-values",
+                 "--set", "resyncSeconds=90", "--wait", "--timeout", "120s")
+    args = _get(cluster, "deployment", "tandem", RELEASE_NS)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--resync-seconds=90" in args
+
+
+def test_chart_rbac_is_least_privilege(cluster: Cluster, chart: None) -> None:
+    sa = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
+
+    def can(*args: str) -> bool:
+        return cluster.kubectl("auth", "can-i", *args, "--as", sa, check=False).stdout.strip() == "yes"
+
+    assert can("patch", "inferenceservices.tandem.dev/status", "-A")
+    assert can("create", "deployments.apps", "-n", "default")
+    assert can("watch", "pods", "-A")
+    assert not can("delete", "deployments.apps", "-n", "default")  # the GC deletes children, not us
+    assert not can("get", "secrets", "-n", "default")
+    assert not can("create", "pods", "-n", "default")
+    assert not can("delete", "inferenceservices.tandem.dev", "-n", "default")
+
+
+# ---- the CRD's rules --------------------------------------------------------------------------
+
+BROKEN = [
+    ({"mode": "Aggregated", "prefill": {"replicas": 1}}, "Aggregated mode has no prefill role"),
+    ({"decode": {"replicas": 2, "autoscaling": {"maxReplicas": 3}}}, "replicas and autoscaling are mutually exclusive"),
+    ({"decode": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
+     "autoscaling.minReplicas must not exceed maxReplicas"),
+    ({"prefill": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize must equal gpus"),
+    ({"decode": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": "1"}}}},
+     "resources.limits['nvidia.com/gpu'] must equal gpus"),
+    ({"engine": {"blockSize": 24}}, "engine.blockSize must be a power of two"),
+    ({"model": {"name": "m", "uri": "s3://bucket/model"}}, "model.uri must be hf://org/repo"),
+    ({"model": {"name": "m", "uri": "/m", "revision": "v1"}}, "apply only to hf:// models"),
+]
+
+
+def test_crd_rejects_each_broken_rule_with_its_message(cluster: Cluster, chart: None, namespace: str) -> None:
+    from tandem.operator.spec import load_inference_service
+
+    for spec, message in BROKEN:
+        obj = _isvc("broken", namespace, **spec)
+        result = _apply(cluster, obj, False, "--dry-run=server")
+        assert result.returncode != 0, f"the API server accepted {spec}"
+        assert message in result.stderr, result.stderr
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_inference_service(obj)  # tandem up rejects it with the same words
+    # a name too long for the children's names
+    result = _apply(cluster, _isvc("x" * 41, namespace), False, "--dry-run=server")
+    assert result.returncode != 0 and "metadata.name must be at most 40 characters" in result.stderr
+    # structural schema: an unknown field is pruned, not stored
+    _apply(cluster, _isvc("pruned", namespace, engine={"blockSize": 16, "bogus": 1}), True, "--validate=ignore")
+    stored = _get(cluster, "tisvc", "pruned", namespace)
+    assert "bogus" not in stored["spec"]["engine"] and stored["spec"]["mode"] == "Disaggregated"  # defaulted
+    # the mode is immutable
+    patch = cluster.kubectl("patch", "tisvc", "pruned", "-n", namespace, "--type=merge",
+                            "-p", json.dumps({"spec": {"mode": "Aggregated", "prefill": None}}), check=False)
+    assert patch.returncode != 0 and "mode is immutable" in patch.stderr
+    cluster.kubectl("delete", "tisvc", "pruned", "-n", namespace)
+
+
+# ---- lifecycle ----------------------------------------------------------------------------------
+
+def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, namespace: str) -> None:
+    """Children with owner references, Ready with URL and counts, a rolling spec change, an
+    operator restart mid-way that changes nothing, and deletion that removes every child."""
+    name = "llama"
+    _apply(cluster, _isvc(name, namespace, prefill={"replicas": 1, "gpus": 2}, decode={"replicas": 2},
+                          engine={"maxModelLen": 2048}))
+    expected = {f"{kind}/{n}" for kind, n in [
+        ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-proxy"),
+        ("Service", "llama-prefill"), ("Service", "llama-decode"), ("Service", "llama"),
+        ("PodDisruptionBudget", "llama-prefill"), ("PodDisruptionBudget", "llama-decode"),
+        ("PodDisruptionBudget", "llama-proxy"), ("ServiceAccount", "llama-proxy"),
+        ("Role", "llama-proxy"), ("RoleBinding", "llama-proxy")]}
+    wait_for("the children", lambda: set(_children(cluster, namespace, name)) == expected, timeout=60, interval=1)
+    isvc = _get(cluster, "tisvc", name, namespace)
+    children = _children(cluster, namespace, name)
+    for obj in children.values():
+        refs = obj["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [("InferenceService", isvc["metadata"]["uid"], True)]
+        managers = {m["manager"] for m in obj["metadata"]["managedFields"] if m["operation"] == "Apply"}
+        assert managers == {"tandem-operator"}  # server-side applied
+    prefill_pod = children["Deployment/llama-prefill"]["spec"]["template"]["spec"]
+    assert prefill_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+    # Restart the operator while the pods are still starting: it resumes, nothing duplicates.
+    operator.stop()
+    operator.start()
+    isvc = _wait_ready(cluster, operator, namespace, name)
+    status = isvc["status"]
+    assert status["observedGeneration"] == 1 and status["phase"] == "Ready"
+    assert status["url"] == f"http://llama.{namespace}.svc.cluster.local:8000/v1"
+    assert status["prefill"]["replicas"] == "1/1" and status["decode"]["replicas"] == "2/2"
+    assert {c["type"] for c in status["conditions"]} >= {"Ready", "Progressing", "Degraded", "PrefillReady",
+                                                          "DecodeReady", "ProxyReady"}
+    assert "kopf" not in status  # kopf's bookkeeping is in annotations
+    assert any(k.startswith("kopf.tandem.dev/") for k in isvc["metadata"].get("annotations", {}))
+    table = cluster.kubectl("get", "tisvc", name, "-n", namespace).stdout
+    header, row = table.splitlines()[:2]
+    assert header.split()[:6] == ["NAME", "MODEL", "MODE", "PREFILL", "DECODE", "READY"]
+    assert row.split()[:6] == [name, "tiny", "Disaggregated", "1/1", "2/2", "True"] and status["url"] in row
+
+    # A restart of a settled operator changes nothing: server-side apply of the same
+    # manifests is a no-op, so no child's resourceVersion moves.
+    before = {k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()}
+    operator.stop()
+    operator.start()
+    wait_for("the resumed operator to re-apply llama",
+             lambda: f"[{namespace}/{name}] applied" in operator.output_since_start(), timeout=60, interval=1)
+    time.sleep(2)
+    after = {k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()}
+    assert after == before
+    assert _condition(_get(cluster, "tisvc", name, namespace), "Ready")["status"] == "True"
+
+    # A spec change rolls the engine pods and moves observedGeneration.
+    old_pods = {p["metadata"]["name"] for p in cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode")["items"]}
+    cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"engine": {"maxModelLen": 4096}}}))
+    wait_for("observedGeneration 2", lambda: (_get(cluster, "tisvc", name, namespace)["status"]
+                                              .get("observedGeneration")) == 2, timeout=60, interval=1)
+    cluster.kubectl("rollout", "status", "deployment/llama-decode", "-n", namespace, "--timeout=90s")
+    _wait_ready(cluster, operator, namespace, name)
+    args = _get(cluster, "deployment", "llama-decode", namespace)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-model-len") + 1] == "4096"
+    new_pods = {p["metadata"]["name"] for p in cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode")["items"]
+        if not p["metadata"].get("deletionTimestamp")}
+    assert new_pods and not (new_pods & old_pods)
+
+    # Deleting the InferenceService lets the garbage collector remove every child.
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for("every child to be collected", lambda: not _children(cluster, namespace, name), timeout=90, interval=1)
+    wait_for("the pods to go", lambda: not cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}")["items"], timeout=90, interval=1)
+
+
+def test_more_gpus_than_any_node_has_shows_waiting_for_gpus(cluster: Cluster, operator: Operator,
+                                                           namespace: str) -> None:
+    name = "huge"
+    _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode={"replicas": 1, "gpus": cluster.nodes.gpus + 1}))
+
+    def waiting() -> bool:
+        return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason") == "WaitingForGPUs"
+
+    try:
+        wait_for("Ready=False/WaitingForGPUs", waiting, timeout=60, interval=1)
+    except TimeoutError:
+        print(operator.tail(), file=sys.stderr)
+        raise
+    isvc = _get(cluster, "tisvc", name, namespace)
+    assert _condition(isvc, "DecodeReady")["reason"] == "WaitingForGPUs"
+    assert _condition(isvc, "Degraded")["status"] == "True"
+    assert "Insufficient nvidia.com/gpu" in _condition(isvc, "Ready")["message"]
+    assert isvc["status"]["phase"] == "Degraded" and isvc["status"]["decode"]["replicas"] == "0/1"
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_autoscaled_role_replicas_are_left_to_the_autoscaler(cluster: Cluster, operator: Operator,
+                                                            namespace: str) -> None:
+    name = "auto"
+    _apply(cluster, _isvc(name, namespace, mode="Aggregated",
+                          decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 3}}))
+    wait_for("the engine Deployment", lambda: "Deployment/auto-engine" in _children(cluster, namespace, name),
+             timeout=60, interval=1)
+    # someone (the HPA) scales it; the operator's next apply must not undo that
+    cluster.kubectl("scale", "deployment/auto-engine", "-n", namespace, "--replicas=2")
+    cluster.kubectl("annotate", "tisvc", name, "-n", namespace, "touch=1")  # an update event
+    cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 32}}}))
+    wait_for("observedGeneration 2", lambda: (_get(cluster, "tisvc", name, namespace)["status"]
+                                              .get("observedGeneration")) == 2, timeout=60, interval=1)
+    assert _get(cluster, "deployment", "auto-engine", namespace)["spec"]["replicas"] == 2
+    hpa = _get(cluster, "hpa", "auto-engine", namespace)
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")

@@ -142,7 +142,6 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING  # Kubernetes Events only for problems
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
-        settings.batching.worker_limit = 64
         settings.execution.max_workers = 16
         if options.peering:
             settings.peering.name = options.peering

@@ -8,7 +8,7 @@ token it generated. The two runs alternate ``--repeats`` times and each side kee
 time, so a burst of load from another process hurts neither side alone. Prints tokens/s of both
 and the ratio; the machine is shared and noisy, so only the ratio is meaningful.
 
-    python bench/offline.py [--model DIR] [--num-prompts 64] [--repeats 3] [--seed 0]
+    python bench/offline.py [--model DIR] [--num-prompts 64] [--repeats 3] [--threads 1] [--seed 0]
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def tandem_runner(model_dir: str, prompts: list[list[int]], outputs: list[int]):
 
 
 def run_tandem(llm, prompts: list[list[int]], params: list, outputs: list[int]) -> tuple[float, int]:
+    llm.engine.kv.pool.reset_prefix_cache()  # repeats must not reuse the previous run's prompts
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -75,8 +76,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both sides (1 keeps a shared 2-core machine from thrashing)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
         from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model

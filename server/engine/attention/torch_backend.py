@@ -77,7 +77,9 @@ class _TorchStep(AttentionStep):
         for g in self.groups:
             qg = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
             b, nb = g.block_tables.shape
-            gathered = pages[:, g.block_tables].view(2, b, nb * pages.shape[2], *pages.shape[3:])
+            # index_select on whole pages: several times faster than advanced indexing on CPU
+            gathered = pages.view(2, pages.shape[1], -1).index_select(1, g.block_tables.view(-1))
+            gathered = gathered.view(2, b, nb * pages.shape[2], *pages.shape[3:])
             kg, vg = gathered.to(q.dtype).transpose(2, 3).unbind(0)  # [B, H_kv, Lk, D] each
             if qg.shape[2] == 1:
                 og = _grouped_decode(qg, kg, vg, g.mask, self.scale)

@@ -378,3 +378,72 @@ def test_autoscaled_role_replicas_are_left_to_the_autoscaler(cluster: Cluster, o
     hpa = _get(cluster, "hpa", "auto-engine", namespace)
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(cluster: Cluster, operator: Operator,
+                                                                  namespace: str) -> None:
+    """hf:// -> a download Job into the cache PVC (kwok completes its pod), then engines."""
+    storage_class = f"manual-{namespace}"
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"models-{namespace}"},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                   "storageClassName": storage_class, "hostPath": {"path": "/tmp/tandem-models"}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": namespace},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": storage_class,
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+    _apply(cluster, pv)
+    try:
+        _apply(cluster, pvc)
+        wait_for("the cache PVC to bind", lambda: _get(cluster, "pvc", "models", namespace)["status"].get("phase")
+                 == "Bound", timeout=60, interval=1)
+        name = "hf"
+        _apply(cluster, _isvc(name, namespace, mode="Aggregated",
+                              model={"name": "tiny", "uri": "hf://tandem/tiny", "revision": "v1",
+                                     "cache": {"claimName": "models"}}))
+        jobs = lambda: cluster.kubectl_json("get", "jobs", "-n", namespace, "-l",  # noqa: E731
+                                            f"tandem.dev/inferenceservice={name}")["items"]
+        wait_for("the download Job", lambda: len(jobs()) == 1, timeout=60, interval=1)
+        container = jobs()[0]["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"][-3:] == ["tandem/tiny", "v1", "/models/cache/tandem/tiny/v1"]
+        _wait_ready(cluster, operator, namespace, name, timeout=120)
+        job = jobs()[0]
+        assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
+        engine = _get(cluster, "deployment", "hf-engine", namespace)["spec"]["template"]["spec"]
+        assert engine["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+        args = engine["containers"][0]["args"]
+        assert args[args.index("--model") + 1] == "/models/cache/tandem/tiny/v1"
+        cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    finally:
+        cluster.kubectl("delete", "pvc", "models", "-n", namespace, "--wait=false", check=False)
+        cluster.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_a_second_operator_waits_until_the_leader_leaves(cluster: Cluster, operator: Operator, namespace: str,
+                                                         tmp_path: Path) -> None:
+    """kopf peering: the older replica leads; the newer one applies nothing until it goes."""
+    second = Operator(cluster, tmp_path)
+    second.kubeconfig = operator.kubeconfig
+    second.start()
+    try:
+        def peers() -> int:
+            status = cluster.kubectl_json("get", "clusterkopfpeering", PEERING).get("status") or {}
+            return len([v for v in status.values() if v])
+
+        wait_for("both operators in the peering", lambda: peers() == 2, timeout=30, interval=1)
+        name = "led"
+        _apply(cluster, _isvc(name, namespace, mode="Aggregated"))
+        _wait_ready(cluster, operator, namespace, name)
+        marker = f"[{namespace}/{name}] applied"
+        assert marker in operator.output_since_start()
+        assert marker not in second.output_since_start()
+
+        operator.stop()  # the leader leaves: the follower takes over and resumes the object
+        wait_for("the follower to take over", lambda: marker in second.output_since_start(), timeout=60, interval=1)
+        cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
+                        "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 16}}}))
+        wait_for("observedGeneration 2 from the new leader", lambda: (_get(cluster, "tisvc", name, namespace)
+                 ["status"].get("observedGeneration")) == 2, timeout=60, interval=1)
+        cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    finally:
+        second.stop()
+        if not operator.running():
+            operator.start()

@@ -36,7 +36,8 @@ class TorchAttentionBackend(AttentionBackend):
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
         prefill = [i for i, n in enumerate(layout.query_lens) if n > 1]
-        groups = [self._group(layout, starts, idx) for idx in (decode, prefill) if idx]
+        parts = [*_split_by_length(decode, layout.kv_lens), prefill]
+        groups = [self._group(layout, starts, idx) for idx in parts if idx]
         return _TorchStep(self.kv_cache, layout.slot_mapping, groups, self.scale)
 
     def _group(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _Group:
@@ -87,6 +88,18 @@ class _TorchStep(AttentionStep):
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
         return out
+
+
+def _split_by_length(idx: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Two padded groups instead of one when contexts differ a lot: the short half no longer
+    pays for gathering and attending over the longest sequence's pages."""
+    if len(idx) < 8:
+        return [idx]
+    ordered = sorted(idx, key=lambda i: kv_lens[i])
+    half = len(ordered) // 2
+    if kv_lens[ordered[-1]] < 2 * kv_lens[ordered[half]]:
+        return [idx]
+    return [ordered[:half], ordered[half:]]
 
 
 def _padded(table: list[int], width: int) -> list[int]:

@@ -3,13 +3,16 @@ through 1 prefill + 1 decode engine equals a single ``both`` engine's token for 
 proxy-level failures (client gone mid-stream, decode killed, prefill killed) leave every block free."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
-import time
+import threading
 
 import httpx
 import openai
 import pytest
+
+from tandem.server.proxy.registration import register_engine
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, sse_events
 from .test_proxy_helpers import PROXY_KEY, ProxyProcess, kill, metric_value, stop_all, wait_free
@@ -122,7 +125,7 @@ def test_connection_warmup(stack) -> None:
 
 def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
     proxy, p, d, _ = stack
-    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 450, "ignore_eos": True, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers,
                       timeout=60) as r:
@@ -133,7 +136,7 @@ def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
     # and a client that gives up on a non-streamed request
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": False}, headers=proxy.headers,
-                   timeout=1.5)
+                   timeout=0.4)  # well before 450 tokens are done
     for e in (p, d):
         wait_free(e, timeout=15)
 
@@ -141,34 +144,37 @@ def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
 # ----- engines that die ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fragile(llama_dir, tmp_path_factory: pytest.TempPathFactory, stack):
-    """A proxy that polls health rarely (so only requests find out an engine died) and engines that
-    register themselves with it (``--proxy-url``); tests add and kill engines here."""
+    """A proxy that polls health rarely (so only requests find out an engine died), and engines
+    all started at once (loading in parallel): prefill1/decode1 register themselves
+    (``--proxy-url``), the others are registered by the tests when they need them."""
     logs = tmp_path_factory.mktemp("pd-fragile")
     proxy = ProxyProcess("--disagg-threshold", "0", "--health-interval", "30", log_path=logs / "proxy.log")
     started: list = [proxy]
-
-    def engine(role: str, name: str) -> ServerProcess:
-        e = _engine(str(llama_dir), role, logs, name, "--proxy-url", proxy.url, "--proxy-api-key", PROXY_KEY)
-        started.append(e)
-        return e
-
     try:
-        yield proxy, engine, stack[3]
+        self_registering = ("--proxy-url", proxy.url, "--proxy-api-key", PROXY_KEY)
+        engines = {name: _engine(str(llama_dir), role, logs, name, *(self_registering if name.endswith("1") else ()))
+                   for name, role in (("prefill1", "prefill"), ("decode1", "decode"), ("prefill2", "prefill"),
+                                      ("decode2", "decode"), ("decode3", "decode"))}
+        started += engines.values()
+        yield proxy, engines, stack[3]
     finally:
         stop_all(started)
 
 
-def _wait_registered(proxy: ProxyProcess, engines: list[ServerProcess]) -> None:
-    for e in engines:
+def _register(proxy: ProxyProcess, *engines_and_roles: tuple[ServerProcess, str]) -> None:
+    for e, role in engines_and_roles:
         e.wait_ready()
-    proxy.wait_healthy([e.url for e in engines])
+        asyncio.run(register_engine(proxy.url, e.url, role, [MODEL], api_key=PROXY_KEY, attempts=1))
+    proxy.wait_healthy([e.url for e, _ in engines_and_roles])
 
 
 def test_killed_prefill_engine_is_retried_aggregated(fragile) -> None:
-    proxy, engine, ref = fragile
-    p, d = engine("prefill", "prefill1"), engine("decode", "decode1")
-    _wait_registered(proxy, [p, d])
-    assert proxy.nodes()[p.url]["role_name"] == "prefill"  # registered by the engine itself
+    proxy, engines, ref = fragile
+    p, d = engines["prefill1"], engines["decode1"]
+    for e in (p, d):
+        e.wait_ready()
+    proxy.wait_healthy([p.url, d.url])  # they registered themselves
+    assert proxy.nodes()[p.url]["role_name"] == "prefill" and proxy.nodes()[p.url]["models"] == [MODEL]
     via, alone = _client(proxy.url), _client(ref.url, "unused")
     assert _complete(via, PROMPTS[0], False) == _complete(alone, PROMPTS[0], False)
     kill(p)
@@ -184,9 +190,9 @@ def test_killed_prefill_engine_is_retried_aggregated(fragile) -> None:
 
 
 def test_killed_decode_engine(fragile) -> None:
-    proxy, engine, _ = fragile
-    p, d = engine("prefill", "prefill2"), engine("decode", "decode2")
-    _wait_registered(proxy, [p, d])
+    proxy, engines, _ = fragile
+    p, d, d2 = engines["prefill2"], engines["decode2"], engines["decode3"]
+    _register(proxy, (p, "prefill"), (d, "decode"))
     via = _client(proxy.url)
     # 1. killed mid-stream: the client gets an error event, not a silently short answer
     stream = via.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0.0, stream=True,
@@ -200,23 +206,16 @@ def test_killed_decode_engine(fragile) -> None:
     wait_free(p, timeout=LEASE_S + 10)
     # 2. frozen while the handoff is under way, then killed: P holds a lease D never pulls; the
     #    proxy finds D gone, releases the lease and says no decode engine is left
-    d2 = engine("decode", "decode3")
-    _wait_registered(proxy, [d2])
+    _register(proxy, (d2, "decode"))
     d2.proc.send_signal(signal.SIGSTOP)
+    killer = threading.Timer(2.0, d2.proc.kill)
+    killer.start()
     try:
-        def kill_soon() -> None:
-            time.sleep(2.0)
-            d2.proc.kill()
-
-        import threading
-
-        killer = threading.Thread(target=kill_soon)
-        killer.start()
         with pytest.raises(openai.APIStatusError) as exc:
             via.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0.0)
-        killer.join()
         assert exc.value.status_code == 503 and "decode" in exc.value.message
     finally:
+        killer.join()
         d2.proc.kill()
         d2.proc.wait()
     wait_free(p, timeout=LEASE_S + 10)  # released by the proxy (or, at worst, on lease expiry)

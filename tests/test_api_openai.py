@@ -455,6 +455,25 @@ def test_session_second_turn_prefills_only_new_tokens(http: httpx.Client, server
     _assert_error(http.delete("/v1/sessions/conv-1"), 404)
 
 
+def test_session_with_only_the_new_message_remembers_the_conversation(http: httpx.Client,
+                                                                        server: ServerProcess) -> None:
+    """ZedInfer's style: each turn sends just the new user message under the session id."""
+    server.wait_idle()
+    base = {"model": MODEL, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    first = [{"role": "user", "content": "Remember the word tandem."}]
+    t1 = http.post("/v1/chat/completions", json=base | {"messages": first, "session_id": "zed"}).json()
+    reply = t1["choices"][0]["message"]["content"]
+    second = [{"role": "user", "content": "Which word?"}]
+    t2 = http.post("/v1/chat/completions", json=base | {"messages": second, "session_id": "zed"}).json()
+    whole = first + [{"role": "assistant", "content": reply}] + second
+    stateless = http.post("/v1/chat/completions", json=base | {"messages": whole}).json()
+    assert t2["choices"][0]["message"]["content"] == stateless["choices"][0]["message"]["content"]
+    assert t2["usage"]["prompt_tokens"] == stateless["usage"]["prompt_tokens"]
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] >= t1["usage"]["prompt_tokens"]
+    assert http.delete("/v1/sessions/zed").status_code == 200
+    server.wait_idle()
+
+
 def test_session_on_completions_and_generate(http: httpx.Client, server: ServerProcess) -> None:
     p1 = "Session text number one"
     a = http.post("/v1/completions", json={"prompt": p1, "max_tokens": 6, "temperature": 0.0,

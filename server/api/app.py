@@ -14,6 +14,7 @@ from tandem.server.engine import LLMEngine
 
 from . import distserve_routes, native_routes, openai_routes, ops_routes
 from .auth import APIKeyMiddleware
+from .chat_history import ChatHistories
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -40,7 +41,7 @@ def build_app(settings: ServerSettings, build_engine: Callable[[], LLMEngine], *
                          metrics=metrics, on_failure=on_engine_failure, on_ready=transport.start,
                          puller=transport.puller)
     state = holder["s"] = ServerState(settings=settings, engine=engine, tokenizer=tokenizer, vocab_size=vocab_size,
-                                      metrics=metrics)
+                                      metrics=metrics, histories=ChatHistories(settings.session_ttl))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -73,6 +73,7 @@ class Job:
     prompt_ids: list[list[int]]
     sink: asyncio.Queue
     last: dict[str, RequestOutput] = field(default_factory=dict)
+    on_finish: Callable[[list[RequestOutput]], None] | None = None  # once every request finished normally
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,10 @@ class Job:
                 self.last[rid] = item
                 if item.finished:
                     pending.discard(rid)
+            if not pending and self.on_finish is not None:
+                outs = [self.last[rid] for rid in self.request_ids]
+                if all(c.finish_reason in ("stop", "length") for o in outs for c in o.outputs):
+                    self.on_finish(outs)
             yield latest
 
     async def collect(self, request: Request | None) -> list[RequestOutput]:

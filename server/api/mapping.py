@@ -180,9 +180,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> str:
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, messages: list[dict[str, Any]] | None = None) -> str:
     """The prompt text: the model's chat template over the messages (LMDeploy's
-    ``do_preprocess: false`` with a string takes the string as the raw prompt)."""
+    ``do_preprocess: false`` with a string takes the string as the raw prompt). ``messages``
+    replaces the request's own (a session's whole conversation)."""
     if isinstance(req.messages, str) and req.do_preprocess is False:
         return req.messages
     kwargs = dict(req.chat_template_kwargs or {})
@@ -198,7 +199,8 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> str:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
                        code="no_chat_template")
     try:
-        return tokenizer.apply_chat_template(chat_messages(req), tokenize=False, tools=tools, **kwargs)
+        return tokenizer.apply_chat_template(messages if messages is not None else chat_messages(req),
+                                             tokenize=False, tools=tools, **kwargs)
     except APIError:
         raise
     except Exception as exc:  # jinja raises TemplateError (and templates raise_exception) on bad input

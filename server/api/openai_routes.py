@@ -45,11 +45,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     mapping.check_chat_request(body)
     top = mapping.chat_logprobs_count(body)
     params = mapping.sampling_params(body, vocab_size=state.vocab_size, default_max_tokens=None, logprobs=top)
-    text = mapping.render_chat(state.tokenizer, body)
+    session = mapping.session_key(body.session_id)
+    raw_prompt = isinstance(body.messages, str) and body.do_preprocess is False  # no template, no history
+    conversation = None
+    if session is not None and not raw_prompt:
+        conversation = state.histories.resolve(session, mapping.chat_messages(body))
+    text = mapping.render_chat(state.tokenizer, body, conversation)
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
     job = await submit(state, request_id, [prompt_ids], params, stream=bool(body.stream),
-                       session_id=mapping.session_key(body.session_id), kv_transfer=body.kv_transfer_params)
+                       session_id=session, kv_transfer=body.kv_transfer_params)
+    if conversation is not None:
+        job.on_finish = lambda outs: state.histories.record(session, conversation, outs[0].outputs[0].text)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -208,6 +215,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     if not engine_has:
         raise APIError(501, "this engine has no sessions", code="not_implemented")
     deleted = await state.engine.call(lambda e: e.delete_session(session_id))
+    deleted = state.histories.drop(session_id) or deleted
     if not deleted:
         raise APIError(404, f"session {session_id!r} does not exist", code="session_not_found",
                        param="session_id")

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from .chat_history import ChatHistories
 from .engine_loop import READY, AsyncEngine
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -49,6 +50,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    histories: ChatHistories = field(default_factory=lambda: ChatHistories(None))
     # Set by the process runner (serve_cli) so /terminate can stop the server.
     shutdown: Callable[[], None] | None = None
 

@@ -266,6 +266,7 @@ class AsyncEngine:
             self._deliver_error(list(self._tracked), EngineNotReadyError("the engine stopped"))
             self._tracked.clear()
             self.snapshot = EngineSnapshot(state=STOPPED)
+            engine.close()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; when idle, wait for one first. False means stop."""

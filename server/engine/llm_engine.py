@@ -432,6 +432,10 @@ class LLMEngine:
             self.worker.wake_up(self._sleep_level)
             self._sleep_level = 0
 
+    def close(self) -> None:
+        """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""
+        self.worker.close()
+
     # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(

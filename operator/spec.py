@@ -154,7 +154,9 @@ class Autoscaling(_Model):
     min_replicas: int = Field(1, ge=1, description="Fewest replicas")
     max_replicas: int = Field(..., ge=1, description="Most replicas")
     metric: str = Field("tandem_num_requests_waiting",
-                        description="Per-pod metric the autoscaler averages (from the engine's /metrics)")
+                        description="Per-pod custom metric the autoscaler averages: the engine's "
+                                    "tandem:num_requests_waiting as a metrics adapter (e.g. prometheus-adapter) "
+                                    "names it")
     target_average_value: str = Field("4", description="Target per-pod average of the metric")
 
     rules: ClassVar[tuple[Rule, ...]] = (

@@ -52,6 +52,9 @@ class KVTransportServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tandem-kv-server", daemon=True)
         self.bytes_sent = 0
+        # One staging buffer, reused: filling fresh memory per pull costs more than the copy.
+        self._staging: torch.Tensor | None = None
+        self._in_flight: zmq.MessageTracker | None = None
 
     def start(self) -> "KVTransportServer":
         self._thread.start()
@@ -75,7 +78,9 @@ class KVTransportServer:
                 reply = self._handle(kind, json.loads(rest[0]) if rest else {})
             except Exception as exc:  # noqa: BLE001 - reported to the peer, the server goes on
                 reply = [b"ERR", f"{type(exc).__name__}: {exc}".encode()]
-            self._sock.send_multipart([ident, *reply], copy=False)
+            tracker = self._sock.send_multipart([ident, *reply], copy=False, track=True)
+            if kind == b"PULL":
+                self._in_flight = tracker  # zmq reads the staging buffer until this is done
 
     def _handle(self, kind: bytes, body: dict[str, Any]) -> list[Any]:
         if kind == b"INFO":
@@ -96,14 +101,22 @@ class KVTransportServer:
         return [b"ERR", f"unknown message {kind!r}".encode()]
 
     def _stage(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The blocks as one contiguous host buffer of bytes, and their tensor shape."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-        blocks = self.kv_cache.data.index_select(2, index)  # [L, 2, n, bs, H, D]
-        if blocks.device.type != "cpu":
-            staged = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-            staged.copy_(blocks)
-            blocks = staged
-        return list(blocks.shape), blocks.contiguous().view(-1).view(torch.uint8)
+        """The blocks ``[layers, 2, n, block_size, kv_heads, head_dim]`` gathered into the
+        reused host staging buffer (pinned when the cache is on a GPU), as bytes."""
+        data = self.kv_cache.data
+        shape = [data.shape[0], 2, len(block_ids), *data.shape[3:]]
+        numel = shape[0] * 2 * len(block_ids) * data[0, 0, 0].numel()
+        if self._in_flight is not None:
+            self._in_flight.wait()
+        if self._staging is None or self._staging.numel() < numel or self._staging.dtype != data.dtype:
+            self._staging = torch.empty(numel, dtype=data.dtype, pin_memory=data.device.type == "cuda")
+        out = self._staging[:numel].view(shape)
+        index = torch.tensor(block_ids, dtype=torch.int64, device=data.device)
+        if data.device.type == "cpu":
+            torch.index_select(data, 2, index, out=out)
+        else:
+            out.copy_(data.index_select(2, index))
+        return shape, out.view(-1).view(torch.uint8)
 
 
 class KVTransportClient:
@@ -116,26 +129,42 @@ class KVTransportClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._buffer: torch.Tensor | None = None  # reused receive buffer for block data
 
-    def _call(self, kind: bytes, body: dict[str, Any]) -> list[zmq.Frame]:
+    def _call(self, kind: bytes, body: dict[str, Any], into: torch.Tensor | None = None) -> list[bytes]:
+        """Send one request; returns the reply's frames. With ``into``, a third (data) frame is
+        received straight into that buffer, and the frame list holds its size instead."""
         with self._lock:
             self._sock.send_multipart([kind, json.dumps(body).encode()])
             if not self._sock.poll(self.timeout_ms):
-                # A late reply would desynchronise this socket: start a fresh one.
-                self._sock.close()
-                self._sock = self._ctx.socket(zmq.DEALER)
-                self._sock.setsockopt(zmq.LINGER, 0)
-                self._sock.connect(self.address)
+                self._reset()  # a late reply would desynchronise this socket
                 raise TransportError(f"no answer from {self.address} within {self.timeout_ms / 1000:.0f}s")
-            frames = self._sock.recv_multipart(copy=False)
-        if frames[0].bytes != b"OK":
-            detail = frames[1].bytes.decode(errors="replace") if len(frames) > 1 else ""
+            frames = [self._sock.recv()]
+            while self._sock.getsockopt(zmq.RCVMORE):
+                if into is not None and len(frames) == 2:
+                    size = self._sock.recv_into(into.numpy())
+                    frames.append(str(size).encode())
+                else:
+                    frames.append(self._sock.recv())
+        if frames[0] != b"OK":
+            detail = frames[1].decode(errors="replace") if len(frames) > 1 else ""
             raise TransportError(f"{self.address} refused {kind.decode()}: {detail}")
         return frames
 
+    def _reset(self) -> None:
+        self._sock.close()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+
+    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
     def layout(self) -> KVLayout:
-        return KVLayout.from_dict(json.loads(self._call(b"INFO", {})[1].bytes))
+        return KVLayout.from_dict(json.loads(self._call(b"INFO", {})[1]))
 
     def pull(self, lease_id: str, remote_block_ids: list[int], into: KVCache, local_block_ids: list[int]) -> int:
         """Copy the remote blocks into ``local_block_ids`` of ``into``; returns the bytes moved."""
@@ -143,16 +172,19 @@ class KVTransportClient:
             raise ValueError("remote and local block lists differ in length")
         if not remote_block_ids:
             return 0
-        frames = self._call(b"PULL", {"lease_id": lease_id, "block_ids": remote_block_ids})
-        header = json.loads(frames[1].bytes)
-        raw = torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
-        shape = header["shape"]
-        if raw.numel() != header["nbytes"] or shape[2] != len(local_block_ids):
-            raise TransportError("truncated or mis-shaped block transfer")
-        blocks = raw.view(into.dtype).view(shape)
-        index = torch.tensor(local_block_ids, dtype=torch.int64, device=into.device)
-        into.data.index_copy_(2, index, blocks.to(into.device, non_blocking=True))
-        return raw.numel()
+        data = into.data
+        nbytes = data.shape[0] * 2 * len(local_block_ids) * data[0, 0, 0].numel() * data.element_size()
+        with self._lock:
+            buf = self._receive_buffer(nbytes)
+            frames = self._call(b"PULL", {"lease_id": lease_id, "block_ids": remote_block_ids}, into=buf)
+            header = json.loads(frames[1])
+            shape = header["shape"]
+            if int(frames[2]) != nbytes or header["nbytes"] != nbytes or shape[2] != len(local_block_ids):
+                raise TransportError("truncated or mis-shaped block transfer")
+            blocks = buf.view(into.dtype).view(shape)
+            index = torch.tensor(local_block_ids, dtype=torch.int64, device=into.device)
+            data.index_copy_(2, index, blocks.to(into.device))
+        return nbytes
 
     def release(self, lease_id: str) -> None:
         self._call(b"RELEASE", {"lease_id": lease_id})

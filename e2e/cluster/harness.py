@@ -315,6 +315,9 @@ class Cluster:
             f"--config={_STAGES}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
+            # Without node leases the node lifecycle controller marks the fake nodes unreachable
+            # after ~50 s and every pod on them NotReady; kwok renews them with this set.
+            "--node-lease-duration-seconds=40",
             f"--server-address=127.0.0.1:{self.ports.kwok}",
             "--cidr=10.244.0.0/16",
             "--node-ip=10.240.0.1",

@@ -18,9 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -46,24 +44,6 @@ def proc_stats(pid: int) -> tuple[float, int, int]:
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return cpu, int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
-
-
-def heartbeat(kube: Kube, nodes: list[str], stop: threading.Event) -> None:
-    """Renew the fake nodes' Leases (see e2e/test_operator.py: kwok here renews none)."""
-    while True:
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        for node in nodes:
-            try:
-                kube.request("PATCH", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node}",
-                             {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                              "metadata": {"name": node, "namespace": "kube-node-lease"},
-                              "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": now}},
-                             query=[("fieldManager", "bench"), ("force", "true")],
-                             content_type="application/apply-patch+yaml")
-            except Exception as exc:
-                print(f"lease renewal failed: {exc}", file=sys.stderr)
-        if stop.wait(5):
-            return
 
 
 def wait(what: str, check: Any, timeout: float, interval: float = 0.2) -> float:
@@ -105,13 +85,10 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="tandem-bench-operator-"))
     print(f"state and logs in {state}", file=sys.stderr)
     cluster = Cluster(state / "cluster")
-    stop = threading.Event()
     operator: subprocess.Popen[bytes] | None = None
     try:
         cluster.start()
         kube = Kube(load_config(str(cluster.kubeconfig)))
-        nodes = [n["metadata"]["name"] for n in cluster.kubectl_json("get", "nodes")["items"]]
-        threading.Thread(target=heartbeat, args=(kube, nodes, stop), daemon=True).start()
         cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tandem.dev", "--timeout=60s")
         for ns in ("latency", "fleet", "baseline"):
@@ -179,7 +156,6 @@ def main() -> int:
         print(f"  operator RSS idle {idle_rss / 1024:.0f} MiB, after {rss / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB")
         return 0
     finally:
-        stop.set()
         if operator is not None:
             operator.terminate()
             try:

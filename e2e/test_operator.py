@@ -13,10 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -55,48 +53,10 @@ def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
 
 
-# ---- node heartbeat -------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def node_heartbeat(cluster: Cluster) -> Iterator[None]:
-    """Renew the fake nodes' Leases. kwok (as the harness starts it) renews none, so the node
-    lifecycle controller declares the nodes unreachable after its grace period and marks every
-    pod NotReady, which kwok never undoes. The harness fix: kwok --node-lease-duration-seconds=40."""
-    from tandem.operator.kube import Kube, load_config
-
-    kube = Kube(load_config(str(cluster.kubeconfig)))
-    nodes = [n["metadata"]["name"] for n in cluster.kubectl_json("get", "nodes")["items"]]
-    stop = threading.Event()
-
-    def renew() -> None:
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        for node in nodes:
-            kube.request("PATCH", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node}",
-                         {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                          "metadata": {"name": node, "namespace": "kube-node-lease"},
-                          "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": now}},
-                         query=[("fieldManager", "e2e-heartbeat"), ("force", "true")],
-                         content_type="application/apply-patch+yaml")
-
-    def loop() -> None:
-        while not stop.wait(5):
-            try:
-                renew()
-            except Exception as exc:  # keep beating through an apiserver hiccup
-                print(f"[e2e] lease renewal failed: {exc}", file=sys.stderr)
-
-    renew()
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(timeout=10)
-
-
 # ---- the chart and the operator ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def chart(cluster: Cluster, node_heartbeat: None) -> Iterator[None]:
+def chart(cluster: Cluster) -> Iterator[None]:
     cluster.helm("install", RELEASE, str(ROOT / "helm/tandem"), "-n", RELEASE_NS, "--create-namespace",
                  "--set", f"peering.name={PEERING}", "--set", "image.tag=e2e", "--wait", "--timeout", "120s")
     cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tandem.dev",

@@ -83,7 +83,8 @@ class _TorchStep(AttentionStep):
             gathered = gathered.view(2, b, nb * pages.shape[2], *pages.shape[3:])
             kg, vg = gathered.to(q.dtype).transpose(2, 3).unbind(0)  # [B, H_kv, Lk, D] each
             if qg.shape[2] == 1:
-                og = _grouped_decode(qg, kg, vg, g.mask, self.scale)
+                # one explicit copy to [B, H_kv, Lk, D] is cheaper than matmul's own on strided views
+                og = _grouped_decode(qg, kg.contiguous(), vg.contiguous(), g.mask, self.scale)
             else:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]

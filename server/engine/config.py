@@ -26,7 +26,7 @@ class EngineConfig:
     # memory after the weights (on CPU: of available RAM, capped by max_kv_cache_bytes).
     kv_cache_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_kv_cache_bytes: int = 2 << 30
+    max_kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -28,8 +28,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``tandem serve`` in a subprocess; ``stop`` sends SIGTERM and waits for the exit code."""
+class ChildProcess:
+    """A ``tandem`` subcommand in a subprocess on loopback, its output in ``log_path``;
+    ``stop`` sends SIGTERM, then SIGKILL after ``timeout``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path | None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        key = getattr(self, "api_key", None)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+class ServerProcess(ChildProcess):
+    """``tandem serve`` in a subprocess."""
 
     def __init__(self, model_dir: str, *extra: str, api_key: str | None = None, log_path: Path | None = None,
                  served_model_name: str = "tiny") -> None:
@@ -43,13 +75,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env.pop("TANDEM_API_KEY", None)
-        self.log_path = log_path
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        super().__init__(cmd, env, log_path)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -79,23 +105,6 @@ class ServerProcess:
                 return h
             time.sleep(0.1)
         raise AssertionError(f"server did not go idle: {h}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        if self.log_path and self.log_path.exists():
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
-        return ""
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-        return self.proc.returncode
 
 
 def sse_events(lines: list[str]) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,13 +11,13 @@ from typing import Any, Callable
 
 import httpx
 
-from .api_helpers import ServerProcess, free_port
+from .api_helpers import ChildProcess, ServerProcess, free_port
 
 PROXY_KEY = "sk-proxy-key"
 
 
-class ProxyProcess:
-    """``tandem proxy`` in a subprocess; ``stop`` sends SIGTERM, then SIGKILL."""
+class ProxyProcess(ChildProcess):
+    """``tandem proxy`` in a subprocess."""
 
     def __init__(self, *extra: str, api_key: str | None = PROXY_KEY, log_path: Path | None = None) -> None:
         self.port = free_port()
@@ -30,13 +29,7 @@ class ProxyProcess:
             cmd += ["--api-key", api_key]
         env = dict(os.environ)
         env.pop("TANDEM_PROXY_API_KEY", None)
-        self.log_path = log_path
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        super().__init__(cmd, env, log_path)
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
@@ -67,23 +60,6 @@ class ProxyProcess:
 
     def metrics(self) -> str:
         return self.get("/metrics").text
-
-    def log_tail(self, n: int = 4000) -> str:
-        if self.log_path and self.log_path.exists():
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
-        return ""
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-        return self.proc.returncode
 
 
 def kill(server: ServerProcess) -> None:

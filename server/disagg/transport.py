@@ -1,10 +1,12 @@
 """Moving KV blocks between engines over TCP with pyzmq.
 
 The prefill side runs a ``KVTransportServer`` (a ROUTER socket on its own thread); a decode
-side pulls with a ``KVTransportClient`` (a DEALER socket). A pull answers with one frame of
-raw bytes, ``[layers, 2, n, block_size, kv_heads, head_dim]`` of the leased blocks, sent
-without a copy from the (pinned, when the cache is on a GPU) staging tensor. Messages:
-``INFO`` (the KV layout), ``PULL {lease_id, block_ids}``, ``RELEASE {lease_id}``.
+side pulls with a ``KVTransportClient`` (a DEALER socket). Messages: ``INFO`` (the KV
+layout), ``PULL {lease_id, block_ids}``, ``RELEASE {lease_id}``. A pull is answered by a
+header and then one message per layer, ``[2, n, block_size, kv_heads, head_dim]`` raw bytes
+sent without a copy from a reused staging buffer (pinned when the cache is on a GPU): the
+server gathers layer i+1 while layer i is on the wire, and the client scatters each layer
+into its blocks as it arrives, so the gather, the transfer and the scatter overlap.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class KVTransportServer:
         self.bytes_sent = 0
         # One staging buffer, reused: filling fresh memory per pull costs more than the copy.
         self._staging: torch.Tensor | None = None
-        self._in_flight: zmq.MessageTracker | None = None
+        self._in_flight: list[zmq.MessageTracker] = []
 
     def start(self) -> "KVTransportServer":
         self._thread.start()
@@ -75,48 +77,52 @@ class KVTransportServer:
                 continue
             ident, kind, *rest = self._sock.recv_multipart()
             try:
-                reply = self._handle(kind, json.loads(rest[0]) if rest else {})
+                body = json.loads(rest[0]) if rest else {}
+                if kind == b"PULL" and (refusal := self._refusal(body)) is None:
+                    self._send_blocks(ident, [int(b) for b in body["block_ids"]])
+                    continue
+                reply = self._handle(kind, body) if kind != b"PULL" else [b"ERR", refusal.encode()]
             except Exception as exc:  # noqa: BLE001 - reported to the peer, the server goes on
                 reply = [b"ERR", f"{type(exc).__name__}: {exc}".encode()]
-            tracker = self._sock.send_multipart([ident, *reply], copy=False, track=True)
-            if kind == b"PULL":
-                self._in_flight = tracker  # zmq reads the staging buffer until this is done
+            self._sock.send_multipart([ident, *reply])
 
-    def _handle(self, kind: bytes, body: dict[str, Any]) -> list[Any]:
+    def _handle(self, kind: bytes, body: dict[str, Any]) -> list[bytes]:
         if kind == b"INFO":
             return [b"OK", json.dumps(self.layout.to_dict()).encode()]
         if kind == b"RELEASE":
             return [b"OK" if self.on_release(body["lease_id"]) else b"ERR", b"{}"]
-        if kind == b"PULL":
-            held = self.lookup_lease(body["lease_id"])
-            if held is None:
-                return [b"ERR", f"lease {body['lease_id']} is unknown, released or expired".encode()]
-            wanted = [int(b) for b in body["block_ids"]]
-            if not set(wanted) <= set(held):
-                return [b"ERR", b"asked for blocks outside the lease"]
-            shape, data = self._stage(wanted)
-            self.bytes_sent += data.numel()
-            header = {"shape": shape, "nbytes": data.numel()}
-            return [b"OK", json.dumps(header).encode(), memoryview(data.numpy())]
         return [b"ERR", f"unknown message {kind!r}".encode()]
 
-    def _stage(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The blocks ``[layers, 2, n, block_size, kv_heads, head_dim]`` gathered into the
-        reused host staging buffer (pinned when the cache is on a GPU), as bytes."""
-        data = self.kv_cache.data
-        shape = [data.shape[0], 2, len(block_ids), *data.shape[3:]]
-        numel = shape[0] * 2 * len(block_ids) * data[0, 0, 0].numel()
-        if self._in_flight is not None:
-            self._in_flight.wait()
-        if self._staging is None or self._staging.numel() < numel or self._staging.dtype != data.dtype:
-            self._staging = torch.empty(numel, dtype=data.dtype, pin_memory=data.device.type == "cuda")
-        out = self._staging[:numel].view(shape)
+    def _refusal(self, body: dict[str, Any]) -> str | None:
+        held = self.lookup_lease(body["lease_id"])
+        if held is None:
+            return f"lease {body['lease_id']} is unknown, released or expired"
+        if not {int(b) for b in body["block_ids"]} <= set(held):
+            return "asked for blocks outside the lease"
+        return None
+
+    def _send_blocks(self, ident: bytes, block_ids: list[int]) -> None:
+        data = self.kv_cache.data  # [L, 2, blocks, bs, H, D]
+        per_layer = [2, len(block_ids), *data.shape[3:]]
+        layer_numel = 2 * len(block_ids) * data[0, 0, 0].numel()
+        for tracker in self._in_flight:  # zmq may still be reading the staging buffer
+            tracker.wait()
+        self._in_flight = []
+        total = layer_numel * data.shape[0]
+        if self._staging is None or self._staging.numel() < total or self._staging.dtype != data.dtype:
+            self._staging = torch.empty(total, dtype=data.dtype, pin_memory=data.device.type == "cuda")
         index = torch.tensor(block_ids, dtype=torch.int64, device=data.device)
-        if data.device.type == "cpu":
-            torch.index_select(data, 2, index, out=out)
-        else:
-            out.copy_(data.index_select(2, index))
-        return shape, out.view(-1).view(torch.uint8)
+        header = {"layers": data.shape[0], "shape": per_layer, "nbytes": total * data.element_size()}
+        self._sock.send_multipart([ident, b"OK", json.dumps(header).encode()])
+        for layer in range(data.shape[0]):
+            out = self._staging[layer * layer_numel:(layer + 1) * layer_numel].view(per_layer)
+            if data.device.type == "cpu":
+                torch.index_select(data[layer], 1, index, out=out)
+            else:
+                out.copy_(data[layer].index_select(1, index))
+            payload = memoryview(out.view(-1).view(torch.uint8).numpy())
+            self._in_flight.append(self._sock.send_multipart([ident, b"L", payload], copy=False, track=True))
+        self.bytes_sent += header["nbytes"]
 
 
 class KVTransportClient:
@@ -129,28 +135,13 @@ class KVTransportClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
-        self._lock = threading.RLock()
-        self._buffer: torch.Tensor | None = None  # reused receive buffer for block data
+        self._lock = threading.Lock()
 
-    def _call(self, kind: bytes, body: dict[str, Any], into: torch.Tensor | None = None) -> list[bytes]:
-        """Send one request; returns the reply's frames. With ``into``, a third (data) frame is
-        received straight into that buffer, and the frame list holds its size instead."""
-        with self._lock:
-            self._sock.send_multipart([kind, json.dumps(body).encode()])
-            if not self._sock.poll(self.timeout_ms):
-                self._reset()  # a late reply would desynchronise this socket
-                raise TransportError(f"no answer from {self.address} within {self.timeout_ms / 1000:.0f}s")
-            frames = [self._sock.recv()]
-            while self._sock.getsockopt(zmq.RCVMORE):
-                if into is not None and len(frames) == 2:
-                    size = self._sock.recv_into(into.numpy())
-                    frames.append(str(size).encode())
-                else:
-                    frames.append(self._sock.recv())
-        if frames[0] != b"OK":
-            detail = frames[1].decode(errors="replace") if len(frames) > 1 else ""
-            raise TransportError(f"{self.address} refused {kind.decode()}: {detail}")
-        return frames
+    def _recv(self, copy: bool = True) -> list[Any]:
+        if not self._sock.poll(self.timeout_ms):
+            self._reset()  # a late reply would desynchronise this socket
+            raise TransportError(f"no answer from {self.address} within {self.timeout_ms / 1000:.0f}s")
+        return self._sock.recv_multipart(copy=copy)
 
     def _reset(self) -> None:
         self._sock.close()
@@ -158,13 +149,18 @@ class KVTransportClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
 
-    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffer[:nbytes]
+    def _request(self, kind: bytes, body: dict[str, Any]) -> list[bytes]:
+        """Send one request and take the first reply message; an ``ERR`` becomes a TransportError."""
+        self._sock.send_multipart([kind, json.dumps(body).encode()])
+        frames = self._recv()
+        if frames[0] != b"OK":
+            detail = frames[1].decode(errors="replace") if len(frames) > 1 else ""
+            raise TransportError(f"{self.address} refused {kind.decode()}: {detail}")
+        return frames
 
     def layout(self) -> KVLayout:
-        return KVLayout.from_dict(json.loads(self._call(b"INFO", {})[1]))
+        with self._lock:
+            return KVLayout.from_dict(json.loads(self._request(b"INFO", {})[1]))
 
     def pull(self, lease_id: str, remote_block_ids: list[int], into: KVCache, local_block_ids: list[int]) -> int:
         """Copy the remote blocks into ``local_block_ids`` of ``into``; returns the bytes moved."""
@@ -173,21 +169,22 @@ class KVTransportClient:
         if not remote_block_ids:
             return 0
         data = into.data
-        nbytes = data.shape[0] * 2 * len(local_block_ids) * data[0, 0, 0].numel() * data.element_size()
+        expected = [2, len(local_block_ids), *data.shape[3:]]
+        index = torch.tensor(local_block_ids, dtype=torch.int64, device=data.device)
         with self._lock:
-            buf = self._receive_buffer(nbytes)
-            frames = self._call(b"PULL", {"lease_id": lease_id, "block_ids": remote_block_ids}, into=buf)
-            header = json.loads(frames[1])
-            shape = header["shape"]
-            if int(frames[2]) != nbytes or header["nbytes"] != nbytes or shape[2] != len(local_block_ids):
-                raise TransportError("truncated or mis-shaped block transfer")
-            blocks = buf.view(into.dtype).view(shape)
-            index = torch.tensor(local_block_ids, dtype=torch.int64, device=into.device)
-            data.index_copy_(2, index, blocks.to(into.device))
-        return nbytes
+            header = json.loads(self._request(b"PULL", {"lease_id": lease_id, "block_ids": remote_block_ids})[1])
+            if header["layers"] != data.shape[0] or header["shape"] != expected:
+                self._reset()  # the layer messages that follow are not ours to read
+                raise TransportError(f"mis-shaped block transfer: {header} for {data.shape[0]} layers of {expected}")
+            for layer in range(header["layers"]):
+                kind, payload = self._recv(copy=False)
+                blocks = torch.frombuffer(payload.buffer, dtype=torch.uint8).view(data.dtype).view(expected)
+                data[layer].index_copy_(1, index, blocks.to(data.device))
+        return header["nbytes"]
 
     def release(self, lease_id: str) -> None:
-        self._call(b"RELEASE", {"lease_id": lease_id})
+        with self._lock:
+            self._request(b"RELEASE", {"lease_id": lease_id})
 
     def close(self) -> None:
         self._sock.close()

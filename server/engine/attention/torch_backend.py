@@ -20,7 +20,7 @@ class _Group:
     token_index: torch.Tensor  # [B, Lq] flat token index per padded query (clamped)
     query_valid: torch.Tensor  # [B, Lq] bool
     block_tables: torch.Tensor  # [B, nb] pages per sequence, padded with the null page
-    mask: torch.Tensor  # [B, 1, Lq, nb * block_size] bool
+    mask: torch.Tensor | None  # [B, 1, Lq, nb * block_size] bool; None: fresh prefills, plain causal
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -52,6 +52,10 @@ class TorchAttentionBackend(AttentionBackend):
         token_index = seq_starts[:, None] + torch.minimum(q_pos[None, :], q_lens[:, None] - 1)
         num_blocks = -(-max_kv // bs)
         tables = torch.tensor([_padded(layout.block_tables[i], num_blocks) for i in idx], dtype=torch.int64)
+        if max_q > 1 and bool((q_lens == kv_lens).all()):
+            # Prompts with no computed prefix: top-left causal alignment is exact, padding included
+            # (a padded query's output is dropped; a real query never sees a padded key).
+            return _Group(token_index.to(device), query_valid.to(device), tables.to(device), None)
         kv_pos = torch.arange(num_blocks * bs)
         # query j of a sequence sits at absolute position kv_len - q_len + j
         q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
@@ -86,7 +90,8 @@ class _TorchStep(AttentionStep):
                 # one explicit copy to [B, H_kv, Lk, D] is cheaper than matmul's own on strided views
                 og = _grouped_decode(qg, kg.contiguous(), vg.contiguous(), g.mask, self.scale)
             else:
-                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=gqa)
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None,
+                                                    scale=self.scale, enable_gqa=gqa)
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
         return out
 

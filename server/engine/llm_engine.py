@@ -129,6 +129,9 @@ class LLMEngine:
         remote = RemotePrefill.from_params(kv_transfer) if kv_transfer and kv_transfer.get("do_remote_prefill") else None
         if (remote_decode or remote) and (params.n != 1 or session_id is not None):
             raise InvalidParamError("kv_transfer_params", "a disaggregated request takes n=1 and no session")
+        if (remote_decode or remote) and self.config.tensor_parallel_size > 1:
+            raise InvalidParamError("kv_transfer_params", "KV transfer with tensor_parallel_size > 1 is not "
+                                    "supported yet (each rank holds only its own KV heads)")
         if remote_decode:
             params = params.clone(max_tokens=1, min_tokens=0)
         prompt_ids = self.tokenize(prompt)

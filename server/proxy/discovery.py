@@ -64,20 +64,24 @@ def pod_node(pod: dict[str, Any]) -> tuple[str, str, list[str] | None] | None:
 
 
 class PodTracker:
-    """Applies pod watch events to the registry; remembers which node each pod became."""
+    """Applies pod watch events to the registry; remembers which node each pod became.
+
+    A URL is a pod IP, and IPs are reused: a pod created after another was deleted can get
+    its IP, and so its URL, before the tracker has heard that the old pod is gone (a relist
+    after a watch gap, or a force-deleted pod's DELETED event arriving after the new pod's).
+    So a node is removed only when no tracked pod still maps to its URL.
+    """
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._by_pod: dict[str, str] = {}  # pod uid (or namespace/name) -> node url
 
     def apply(self, event_type: str, pod: dict[str, Any]) -> None:
-        meta = pod.get("metadata") or {}
-        key = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
         node = None if event_type == "DELETED" else pod_node(pod)
+        key = _pod_key(pod)
         old = self._by_pod.get(key)
         if old is not None and (node is None or node[0] != old):
-            del self._by_pod[key]
-            self.registry.remove(old)
+            self._forget(key)
         if node is not None:
             url, role, models = node
             self._by_pod[key] = url
@@ -87,11 +91,20 @@ class PodTracker:
         """A full listing: add what is there, drop what is gone."""
         seen = set()
         for pod in pods:
-            meta = pod.get("metadata") or {}
-            seen.add(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
+            seen.add(_pod_key(pod))
             self.apply("MODIFIED", pod)
         for key in [k for k in self._by_pod if k not in seen]:
-            self.registry.remove(self._by_pod.pop(key))
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        url = self._by_pod.pop(key)
+        if url not in self._by_pod.values():  # another pod has this IP now: its node stays
+            self.registry.remove(url)
+
+
+def _pod_key(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
 
 
 def kubernetes_discovery(namespace: str, selector: str,

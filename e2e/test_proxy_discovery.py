@@ -6,7 +6,8 @@ them Running/Ready. ``tandem proxy --discovery kubernetes`` runs here as a subpr
 the selector ``plan()`` gives it and a kubeconfig holding the token of the proxy's rendered
 ServiceAccount, so the rendered Role is all it may use: a missing permission fails here.
 
-The fake pod IPs are unreachable, so every discovered node stays unhealthy. The registry
+Nothing serves /health at the fake pod IPs (the connection fails, or, in a sandbox whose
+gateway answers every address, a 404), so every discovered node stays unhealthy. The registry
 keeps a discovered node that has never been healthy for ``--startup-grace`` seconds (it
 treats it as a loading engine), so membership is stable for the length of these tests and
 comes from the pod watch alone; the tests run the proxy with ``--dead-threshold 1`` to
@@ -20,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -156,7 +156,8 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         no_role["metadata"].update(name="no-role", namespace=namespace)
         del no_role["metadata"]["labels"]["tandem.dev/role"]
         no_role["spec"]["containers"][0].pop("resources")
-        _apply(cluster, [{"apiVersion": "v1", "kind": "Pod", **too_big}, {"apiVersion": "v1", "kind": "Pod", **no_role}])
+        _apply(cluster, [{"apiVersion": "v1", "kind": "Pod", **too_big},
+                         {"apiVersion": "v1", "kind": "Pod", **no_role}])
 
         kubeconfig = _proxy_kubeconfig(cluster, namespace, f"{NAME}-proxy", workdir / "proxy.kubeconfig")
         port = _free_port()
@@ -190,9 +191,10 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            print(f"\n[e2e] proxy log tail:\n" + "\n".join(
+            print("\n[e2e] proxy log tail:\n" + "\n".join(
                 (workdir / "proxy.log").read_text(errors="replace").splitlines()[-10:]), file=sys.stderr)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        # waited for, so the GPUs these pods hold are free for whatever test runs next
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=60s", check=False)
 
 
 def test_ready_engine_pods_become_nodes_with_their_role_and_model(env: Env) -> None:
@@ -211,7 +213,7 @@ def test_ready_engine_pods_become_nodes_with_their_role_and_model(env: Env) -> N
 
 
 def test_unreachable_discovered_nodes_stay_listed_inside_the_startup_grace(env: Env) -> None:
-    """Fake pod IPs never answer /health: the nodes are unhealthy, counted as failures,
+    """Fake pod IPs never answer /health with 200: the nodes are unhealthy, counted as failures,
     and, never having been healthy, kept (a loading engine) although --dead-threshold is 1."""
     expected = env.expected()
 
@@ -271,14 +273,45 @@ def test_scaling_down_removes_the_node(env: Env) -> None:
 
 
 def test_a_deleted_pod_is_dropped_and_its_replacement_added(env: Env) -> None:
-    prefill = [p for p in env.pods(f"{engine_selector(NAME)},tandem.dev/role=prefill") if _ready(p)]
+    """The Deployment replaces a deleted pod; kwok (like a CNI) may hand the replacement the
+    freed IP, so the URL can come back unchanged: the drop is read from the proxy's log."""
+    selector = f"{engine_selector(NAME)},tandem.dev/role=prefill"
+    prefill = [p for p in env.pods(selector) if _ready(p)]
     assert len(prefill) == 1
-    old_url = _url(prefill[0])
+    old_uid, old_url = prefill[0]["metadata"]["uid"], _url(prefill[0])
     assert env.roles()[old_url] == "prefill"
+    seen = len(env.log.read_text(errors="replace"))
     env.cluster.kubectl("delete", "pod", prefill[0]["metadata"]["name"], "-n", env.namespace, "--wait=false")
-    env.wait_roles("the deleted pod's node to be dropped and its replacement added",
-                   lambda got: old_url not in got and sorted(got.values()) == ["decode", "prefill"])
-    env.wait_roles("the proxy to match the Ready pods", lambda got: got == env.expected())
+    wait_for("the replacement prefill pod to be Ready",
+             lambda: [p["metadata"]["uid"] for p in env.pods(selector) if _ready(p)] not in ([], [old_uid]),
+             timeout=WAIT, interval=0.5)
+    wait_for("the proxy to log the deleted pod's node removed",
+             lambda: f"node removed: {old_url}" in env.log.read_text(errors="replace")[seen:],
+             timeout=WAIT, interval=0.5)
+    env.wait_roles("the proxy to list the replacement", lambda got: got == env.expected())
+    assert sorted(env.roles().values()) == ["decode", "prefill"]  # decode was scaled to 1 above
+
+
+def _set_ready(env: Env, pod: str, ready: bool) -> None:
+    """What a failing readiness probe does: the pod keeps running and its IP, Ready goes False
+    (kwok leaves a pod's status alone once it has made it Ready)."""
+    patch = {"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+    env.cluster.kubectl("patch", "pod", pod, "-n", env.namespace, "--subresource=status", "-p", json.dumps(patch))
+
+
+def test_a_pod_that_stops_being_ready_is_dropped_and_returns(env: Env) -> None:
+    decode = [p for p in env.pods(f"{engine_selector(NAME)},tandem.dev/role=decode") if _ready(p)]
+    assert len(decode) == 1
+    name, url = decode[0]["metadata"]["name"], _url(decode[0])
+    assert env.roles()[url] == "decode"
+    _set_ready(env, name, False)
+    env.wait_roles("the unready pod's node to be dropped", lambda got: url not in got)
+    pod = env.cluster.kubectl_json("get", "pod", name, "-n", env.namespace)
+    assert pod["status"]["phase"] == "Running" and pod["status"]["podIP"] and not _ready(pod)
+    assert env.roles() == env.expected() and sorted(env.roles().values()) == ["prefill"]
+    _set_ready(env, name, True)
+    env.wait_roles("the node to come back when the pod is Ready again", lambda got: got.get(url) == "decode")
+    assert env.roles() == env.expected()
 
 
 def test_a_pod_that_becomes_schedulable_and_ready_is_added(env: Env) -> None:

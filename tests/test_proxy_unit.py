@@ -207,6 +207,23 @@ def test_pod_tracker() -> None:
     assert len(reg) == 0
 
 
+def test_pod_tracker_keeps_a_node_whose_ip_a_new_pod_reuses() -> None:
+    """Pod IPs are reused: losing pod A must not remove the engine pod B now serves at A's URL."""
+    reg = Registry()
+    t = PodTracker(reg)
+    t.apply("ADDED", _pod("a", ip="10.0.0.2"))
+    t.resync([_pod("b", ip="10.0.0.2")])  # relist after a watch gap: A gone, B has its IP
+    assert [n.url for n in reg.nodes()] == ["http://10.0.0.2:8123"]
+    reg2 = Registry()
+    t2 = PodTracker(reg2)
+    t2.apply("ADDED", _pod("a", ip="10.0.0.2"))
+    t2.apply("ADDED", _pod("b", ip="10.0.0.2"))
+    t2.apply("DELETED", _pod("a", ip="10.0.0.2"))  # A's late DELETED after B took the IP
+    assert [n.url for n in reg2.nodes()] == ["http://10.0.0.2:8123"]
+    t2.apply("DELETED", _pod("b", ip="10.0.0.2"))
+    assert len(reg2) == 0
+
+
 def test_parse_node_flag() -> None:
     assert parse_node_flag("http://127.0.0.1:9=prefill") == ("http://127.0.0.1:9", "prefill")
     assert parse_node_flag("127.0.0.1:9") == ("http://127.0.0.1:9", "both")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-
 import httpx
 import pytest
 

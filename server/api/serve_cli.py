@@ -13,12 +13,16 @@ import signal
 from pathlib import Path
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
 
 from .state import ROLES, ServerSettings
+
+if TYPE_CHECKING:
+    from .app import ProxyRegistration
 
 log = logging.getLogger("tandem.api")
 

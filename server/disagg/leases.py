@@ -63,9 +63,5 @@ class LeaseStore:
             self.pool.free(block_ids)
         return len(ended)
 
-    def pending_release(self) -> bool:
-        with self._lock:
-            return bool(self._release_asked)
-
     def clear(self) -> None:
         self.sweep(now=float("inf"))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .attention import AttentionBackend, BatchLayout
+from .attention.base import SeqShape
 
 if TYPE_CHECKING:
     from .request import Request
@@ -35,7 +36,7 @@ MAX_GRAPH_BATCH = 512
 
 
 @dataclass(frozen=True)
-class StepInputs:
+class StepInputs(SeqShape):
     """One step, flattened: what every model shard needs (plain lists, cheap to pickle)."""
 
     input_ids: list[int]
@@ -45,14 +46,6 @@ class StepInputs:
     kv_lens: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]  # flat rows whose logits are sampled
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
 
 
 def prepare_inputs(batch: "ScheduledBatch", block_size: int) -> tuple[StepInputs, list["Request"]]:

@@ -17,8 +17,22 @@ from dataclasses import dataclass
 import torch
 
 
+class SeqShape:
+    """What a step's per-sequence query lengths say about it (shared by layouts and inputs)."""
+
+    query_lens: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
 @dataclass(frozen=True)
-class BatchLayout:
+class BatchLayout(SeqShape):
     """Where each sequence's new tokens sit in the flat batch and in the KV cache.
 
     Sequence i has ``query_lens[i]`` new tokens at the end of ``kv_lens[i]`` tokens of context;
@@ -30,14 +44,6 @@ class BatchLayout:
     kv_lens: list[int]
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
 
 
 class AttentionStep(ABC):

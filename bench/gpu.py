@@ -20,6 +20,7 @@ Per model it prints:
     python bench/gpu.py --models qwen3-0.6b --num-seqs 64
     python bench/gpu.py --smoke                 # tiny shapes, a few sequences; runs on CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,33 +38,79 @@ import torch
 # The published config.json of each model, as far as the shapes go.
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
     },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
     },
     # --smoke: the tiny test shapes, on CPU
     "tiny-qwen3": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1024, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-        "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "float32",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
         "eos_token_id": 2,
     },
 }
 
 
-def workload(num: int, vocab: int, lo: int, hi: int, seed: int) -> tuple[list[list[int]], list[int]]:
+def workload(
+    num: int, vocab: int, lo: int, hi: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
     outputs = [rng.randint(lo, hi) for _ in range(num)]
@@ -110,7 +157,9 @@ def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> f
     return 2 * nbytes * repeats / elapsed
 
 
-def step_bytes(model: torch.nn.Module, cfg: dict, context: int, dtype: torch.dtype) -> tuple[int, int]:
+def step_bytes(
+    model: torch.nn.Module, cfg: dict, context: int, dtype: torch.dtype
+) -> tuple[int, int]:
     """(weight bytes a decode step reads, KV bytes of the context it reads)."""
     seen, total = set(), 0
     for name, p in model.named_parameters():
@@ -118,21 +167,36 @@ def step_bytes(model: torch.nn.Module, cfg: dict, context: int, dtype: torch.dty
             continue
         seen.add(id(p))
         if name.endswith("embed_tokens.weight") and not cfg.get("tie_word_embeddings"):
-            total += p.shape[1] * p.element_size()  # a lookup reads one row; the untied lm_head reads all
+            total += (
+                p.shape[1] * p.element_size()
+            )  # a lookup reads one row; the untied lm_head reads all
         else:
             total += p.numel() * p.element_size()
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    kv = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * itemsize * context
+    kv = (
+        cfg["num_hidden_layers"]
+        * 2
+        * cfg["num_key_value_heads"]
+        * cfg["head_dim"]
+        * itemsize
+        * context
+    )
     return total, kv
 
 
 def run_tandem(path: Path, prompts, outputs, args, device: torch.device, dtype_name: str):
     from tandem.server.engine import LLM, SamplingParams
 
-    llm = LLM(str(path), device=str(device), dtype=dtype_name, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}))
+    llm = LLM(
+        str(path),
+        device=str(device),
+        dtype=dtype_name,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]])  # warm-up
     sync(device)
@@ -153,9 +217,13 @@ def decode_step_time(llm, context: int, device: torch.device, iters: int) -> flo
     bs = llm.engine.config.block_size
     blocks = list(range(1, -(-context // bs) + 1))
     if blocks[-1] >= worker.num_blocks:
-        raise SystemExit(f"--decode-context {context} does not fit the KV cache ({worker.num_blocks} blocks)")
+        raise SystemExit(
+            f"--decode-context {context} does not fit the KV cache ({worker.num_blocks} blocks)"
+        )
     pos = context - 1
-    inputs = StepInputs([11], [pos], [blocks[pos // bs] * bs + pos % bs], [1], [context], [blocks], [0])
+    inputs = StepInputs(
+        [11], [pos], [blocks[pos // bs] * bs + pos % bs], [1], [context], [blocks], [0]
+    )
     for _ in range(5):
         worker.runner.run(inputs)
     sync(device)
@@ -166,18 +234,28 @@ def decode_step_time(llm, context: int, device: torch.device, iters: int) -> flo
     return (time.perf_counter() - start) / iters
 
 
-def run_transformers(model, prompts, outputs, batch_size: int, device: torch.device) -> tuple[float, int]:
+def run_transformers(
+    model, prompts, outputs, batch_size: int, device: torch.device
+) -> tuple[float, int]:
     total_time, produced = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
-            chunk, outs = prompts[i:i + batch_size], outputs[i:i + batch_size]
+            chunk, outs = prompts[i : i + batch_size], outputs[i : i + batch_size]
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device
+            )
             sync(device)
             start = time.perf_counter()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outs),
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(outs),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             sync(device)
             total_time += time.perf_counter() - start
             produced += (out.shape[1] - width) * len(chunk)
@@ -195,8 +273,11 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     lo, hi = (args.min_len, args.max_len)
     prompts, outputs = workload(args.num_seqs, cfg["vocab_size"], lo, hi, args.seed)
     wanted = sum(outputs)
-    print(f"\n== {name}: {args.num_seqs} sequences, {sum(map(len, prompts))} prompt tokens, "
-          f"{wanted} output tokens, {dtype_name} on {device}", flush=True)
+    print(
+        f"\n== {name}: {args.num_seqs} sequences, {sum(map(len, prompts))} prompt tokens, "
+        f"{wanted} output tokens, {dtype_name} on {device}",
+        flush=True,
+    )
 
     hf = random_hf_model(path, dtype, device, args.seed)
     register_in_memory_weights(path, hf.state_dict())
@@ -205,9 +286,11 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     finally:
         forget_in_memory_weights(path)
     runner = llm.engine.worker.runner
-    print(f"tandem        {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s  "
-          f"(backend {runner.backend.name}, CUDA graphs {runner.graph_sizes[-1:] and 'up to ' + str(runner.graph_sizes[-1]) or 'off'})",
-          flush=True)
+    print(
+        f"tandem        {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s  "
+        f"(backend {runner.backend.name}, CUDA graphs {runner.graph_sizes[-1:] and 'up to ' + str(runner.graph_sizes[-1]) or 'off'})",
+        flush=True,
+    )
 
     step = decode_step_time(llm, args.decode_context, device, args.decode_iters)
     weights, kv = step_bytes(llm.engine.model, cfg, args.decode_context, dtype)
@@ -219,12 +302,16 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
         torch.cuda.empty_cache()
 
     t_hf, n_hf = run_transformers(hf, prompts, outputs, args.hf_batch_size, device)
-    print(f"transformers  {t_hf:8.2f} s  {wanted / t_hf:10.1f} output tok/s asked for "
-          f"({n_hf / t_hf:.1f} tok/s counting all {n_hf} generated; batches of {args.hf_batch_size})")
+    print(
+        f"transformers  {t_hf:8.2f} s  {wanted / t_hf:10.1f} output tok/s asked for "
+        f"({n_hf / t_hf:.1f} tok/s counting all {n_hf} generated; batches of {args.hf_batch_size})"
+    )
     print(f"ratio tandem/transformers: {(n_ours / t_ours) / (wanted / t_hf):.2f}x")
-    print(f"decode step, batch 1, context {args.decode_context}: {step * 1e3:.3f} ms; floor {floor * 1e3:.3f} ms "
-          f"= ({weights / 1e9:.3f} GB weights + {kv / 1e9:.3f} GB KV) / {bandwidth / 1e9:.0f} GB/s measured; "
-          f"{floor / step * 100:.0f}% of the floor")
+    print(
+        f"decode step, batch 1, context {args.decode_context}: {step * 1e3:.3f} ms; floor {floor * 1e3:.3f} ms "
+        f"= ({weights / 1e9:.3f} GB weights + {kv / 1e9:.3f} GB KV) / {bandwidth / 1e9:.0f} GB/s measured; "
+        f"{floor / step * 100:.0f}% of the floor"
+    )
     del hf
     gc.collect()
     if device.type == "cuda":
@@ -233,7 +320,9 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes and a few sequences; runs on CPU")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes and a few sequences; runs on CPU"
+    )
     parser.add_argument("--models", nargs="+", default=None, choices=sorted(SHAPES))
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--min-len", type=int, default=None)
@@ -253,17 +342,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         device = torch.device("cpu")
         models = args.models or ["tiny-qwen3"]
-        defaults = dict(num_seqs=8, min_len=16, max_len=48, decode_context=64, bandwidth_bytes=64 << 20)
+        defaults = dict(
+            num_seqs=8, min_len=16, max_len=48, decode_context=64, bandwidth_bytes=64 << 20
+        )
         args.kv_cache_tokens = args.kv_cache_tokens or 8192
         args.decode_iters = min(args.decode_iters, 10)
     else:
         if not torch.cuda.is_available():
-            print("bench/gpu.py needs a CUDA device for the full run (none is visible); "
-                  "`python bench/gpu.py --smoke` runs the tiny version on CPU", file=sys.stderr)
+            print(
+                "bench/gpu.py needs a CUDA device for the full run (none is visible); "
+                "`python bench/gpu.py --smoke` runs the tiny version on CPU",
+                file=sys.stderr,
+            )
             return 2
         device = torch.device("cuda")
         models = args.models or ["qwen3-0.6b", "llama-3.1-8b"]
-        defaults = dict(num_seqs=256, min_len=100, max_len=1024, decode_context=512, bandwidth_bytes=1 << 30)
+        defaults = dict(
+            num_seqs=256, min_len=100, max_len=1024, decode_context=512, bandwidth_bytes=1 << 30
+        )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -10,6 +10,7 @@ and the ratio; the machine is shared and noisy, so only the ratio is meaningful.
 
     python bench/offline.py [--model DIR] [--num-prompts 64] [--repeats 3] [--threads 1] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,20 @@ def workload(num: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int
 def tandem_runner(model_dir: str, prompts: list[list[int]], outputs: list[int]):
     from tandem.server.engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, kv_cache_tokens=len(prompts) * 400, max_num_seqs=len(prompts),
-              max_num_batched_tokens=4096)
+    llm = LLM(
+        model_dir,
+        kv_cache_tokens=len(prompts) * 400,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=4096,
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]])  # warm-up
     return lambda: run_tandem(llm, prompts, params, outputs)
 
 
-def run_tandem(llm, prompts: list[list[int]], params: list, outputs: list[int]) -> tuple[float, int]:
+def run_tandem(
+    llm, prompts: list[list[int]], params: list, outputs: list[int]
+) -> tuple[float, int]:
     llm.engine.kv.pool.reset_prefix_cache()  # repeats must not reuse the previous run's prompts
     start = time.perf_counter()
     results = llm.generate(prompts, params)
@@ -61,8 +68,9 @@ def transformers_runner(model_dir: str, prompts: list[list[int]], outputs: list[
     return lambda: run_transformers(model, ids, mask, width, outputs, kwargs)
 
 
-def run_transformers(model, ids: torch.Tensor, mask: torch.Tensor, width: int, outputs: list[int],
-                     kwargs: dict) -> tuple[float, int]:
+def run_transformers(
+    model, ids: torch.Tensor, mask: torch.Tensor, width: int, outputs: list[int], kwargs: dict
+) -> tuple[float, int]:
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outputs), **kwargs)
@@ -76,33 +84,50 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for both sides (1 keeps a shared 2-core machine from thrashing)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for both sides (1 keeps a shared 2-core machine from thrashing)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
         from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
-        model_dir = str(make_tiny_model(tempfile.mkdtemp(prefix="tandem-bench-"), TinyModelSpec(arch="llama")))
+        model_dir = str(
+            make_tiny_model(tempfile.mkdtemp(prefix="tandem-bench-"), TinyModelSpec(arch="llama"))
+        )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     prompts, outputs = workload(args.num_prompts, vocab, args.seed)
     wanted = sum(outputs)
-    ours_run, hf_run = tandem_runner(model_dir, prompts, outputs), transformers_runner(model_dir, prompts, outputs)
+    ours_run, hf_run = (
+        tandem_runner(model_dir, prompts, outputs),
+        transformers_runner(model_dir, prompts, outputs),
+    )
     ours_runs, hf_runs = [], []
     for _ in range(args.repeats):
         ours_runs.append(ours_run())
         hf_runs.append(hf_run())
     (t_ours, n_ours), (t_hf, n_hf) = min(ours_runs), min(hf_runs)
-    print(f"runs (s): tandem {[round(t, 2) for t, _ in ours_runs]}, transformers {[round(t, 2) for t, _ in hf_runs]}")
+    print(
+        f"runs (s): tandem {[round(t, 2) for t, _ in ours_runs]}, transformers {[round(t, 2) for t, _ in hf_runs]}"
+    )
     ours, hf_useful, hf_all = n_ours / t_ours, wanted / t_hf, n_hf / t_hf
-    print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {wanted} output tokens")
+    print(
+        f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {wanted} output tokens"
+    )
     print(f"tandem        {t_ours:8.2f} s  {ours:10.1f} output tok/s")
-    print(f"transformers  {t_hf:8.2f} s  {hf_useful:10.1f} output tok/s asked for "
-          f"({hf_all:.1f} tok/s counting all {n_hf} generated)")
-    print(f"ratio tandem/transformers: {ours / hf_useful:.2f}x (against all generated: {ours / hf_all:.2f}x)")
+    print(
+        f"transformers  {t_hf:8.2f} s  {hf_useful:10.1f} output tok/s asked for "
+        f"({hf_all:.1f} tok/s counting all {n_hf} generated)"
+    )
+    print(
+        f"ratio tandem/transformers: {ours / hf_useful:.2f}x (against all generated: {ours / hf_all:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Each InferenceService is Aggregated with one CPU engine replica and no proxy rep
 the 200 pods fit kwok's two fake nodes (110 pods each); every child object is still
 rendered, applied, watched and reflected in status.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,28 @@ from tandem.operator.spec import load_inference_service  # noqa: E402
 
 
 def isvc(name: str, namespace: str, replicas: int = 1, proxy: int = 0) -> dict[str, Any]:
-    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"mode": "Aggregated", "model": {"name": "tiny", "uri": "/opt/models/tiny"},
-                     "decode": {"replicas": replicas, "gpus": 0}, "proxy": {"replicas": proxy}}}
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "mode": "Aggregated",
+            "model": {"name": "tiny", "uri": "/opt/models/tiny"},
+            "decode": {"replicas": replicas, "gpus": 0},
+            "proxy": {"replicas": proxy},
+        },
+    }
 
 
 def proc_stats(pid: int) -> tuple[float, int, int]:
     """(cpu seconds, rss KiB, peak rss KiB) of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    status = dict(
+        line.split(":", 1)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if ":" in line
+    )
     return cpu, int(status["VmRSS"].split()[0]), int(status["VmHWM"].split()[0])
 
 
@@ -56,14 +68,27 @@ def wait(what: str, check: Any, timeout: float, interval: float = 0.2) -> float:
 
 
 def ready_count(kube: Kube, namespace: str) -> int:
-    items = kube.request("GET", f"/apis/tandem.dev/v1alpha1/namespaces/{namespace}/inferenceservices")["items"]
-    return sum(1 for i in items if (i.get("status") or {}).get("observedGeneration") == 1 and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in i["status"].get("conditions") or []))
+    items = kube.request(
+        "GET", f"/apis/tandem.dev/v1alpha1/namespaces/{namespace}/inferenceservices"
+    )["items"]
+    return sum(
+        1
+        for i in items
+        if (i.get("status") or {}).get("observedGeneration") == 1
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in i["status"].get("conditions") or []
+        )
+    )
 
 
 def deployments_ready(kube: Kube, namespace: str, want: int) -> bool:
     items = kube.request("GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")["items"]
-    done = sum(1 for d in items if (d.get("status") or {}).get("readyReplicas", 0) >= d["spec"].get("replicas", 1))
+    done = sum(
+        1
+        for d in items
+        if (d.get("status") or {}).get("readyReplicas", 0) >= d["spec"].get("replicas", 1)
+    )
     return done >= want
 
 
@@ -72,7 +97,9 @@ def pods_gone(kube: Kube, namespace: str) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--latency-runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
@@ -90,31 +117,65 @@ def main() -> int:
         cluster.start()
         kube = Kube(load_config(str(cluster.kubeconfig)))
         cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tandem.dev", "--timeout=60s")
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "crd/inferenceservices.tandem.dev",
+            "--timeout=60s",
+        )
         for ns in ("latency", "fleet", "baseline"):
             cluster.kubectl("create", "namespace", ns)
-        wait("default ServiceAccounts", lambda: all(cluster.kubectl(
-            "get", "sa", "default", "-n", ns, check=False).returncode == 0 for ns in ("latency", "fleet", "baseline")),
-            60)
+        wait(
+            "default ServiceAccounts",
+            lambda: all(
+                cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0
+                for ns in ("latency", "fleet", "baseline")
+            ),
+            60,
+        )
 
         # Baseline: the same children applied directly, then their Deployments Ready.
-        manifests = [m for i in range(args.count)
-                     for m in render(load_inference_service(isvc(f"svc-{i:03d}", "baseline")))]
+        manifests = [
+            m
+            for i in range(args.count)
+            for m in render(load_inference_service(isvc(f"svc-{i:03d}", "baseline")))
+        ]
         t0 = time.monotonic()
         for m in manifests:
             kube.apply(m)
         base_apply = time.monotonic() - t0
-        wait("baseline deployments", lambda: deployments_ready(kube, "baseline", 2 * args.count), args.timeout, 1)
+        wait(
+            "baseline deployments",
+            lambda: deployments_ready(kube, "baseline", 2 * args.count),
+            args.timeout,
+            1,
+        )
         base_total = time.monotonic() - t0
         cluster.kubectl("delete", "namespace", "baseline", "--wait=false")
         wait("baseline pods to go", lambda: pods_gone(kube, "baseline"), args.timeout, 1)
 
         log = (state / "operator.log").open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        operator = subprocess.Popen([sys.executable, "-m", "tandem.server.cli", "operator", "--kubeconfig",
-                                     str(cluster.kubeconfig), "--liveness", "", "--resync-seconds", "600",
-                                     "--log-level", args.operator_log_level],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        operator = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.server.cli",
+                "operator",
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "--liveness",
+                "",
+                "--resync-seconds",
+                "600",
+                "--log-level",
+                args.operator_log_level,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
         time.sleep(3)
         _, idle_rss, _ = proc_stats(operator.pid)
 
@@ -122,12 +183,17 @@ def main() -> int:
         latencies = []
         for run in range(args.latency_runs):
             name = f"lat-{run}"
-            body = {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
-                    "metadata": {"name": name, "namespace": "latency"},
-                    "spec": {"model": {"name": "tiny", "uri": "/opt/models/tiny"}}}
+            body = {
+                "apiVersion": "tandem.dev/v1alpha1",
+                "kind": "InferenceService",
+                "metadata": {"name": name, "namespace": "latency"},
+                "spec": {"model": {"name": "tiny", "uri": "/opt/models/tiny"}},
+            }
             t0 = time.monotonic()
             cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
-            wait(f"{name} Ready", lambda: ready_count(kube, "latency") == run + 1, 120, 0.1)
+            wait(
+                f"{name} Ready", lambda want=run + 1: ready_count(kube, "latency") == want, 120, 0.1
+            )
             latencies.append(time.monotonic() - t0)
 
         # The fleet: N InferenceServices at once.
@@ -136,24 +202,41 @@ def main() -> int:
         t0 = time.monotonic()
         cluster.kubectl("apply", "-f", "-", input=docs, timeout=args.timeout)
         applied = time.monotonic() - t0
-        wait(f"{args.count} InferenceServices Ready", lambda: ready_count(kube, "fleet") == args.count,
-             args.timeout, 1)
+        wait(
+            f"{args.count} InferenceServices Ready",
+            lambda: ready_count(kube, "fleet") == args.count,
+            args.timeout,
+            1,
+        )
         fleet = time.monotonic() - t0
         cpu1, rss, peak = proc_stats(operator.pid)
         time.sleep(15)  # settle: events after Ready must not make the operator write more
         cpu2, _, _ = proc_stats(operator.pid)
 
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-        print(f"apply -> Ready (Disaggregated, 1 prefill + 1 decode + proxy), {args.latency_runs} runs: "
-              + ", ".join(f"{x:.2f}s" for x in latencies) + f"; median {sorted(latencies)[len(latencies) // 2]:.2f}s")
-        print(f"{args.count} InferenceServices ({len(manifests)} child objects, {args.count} pods):")
-        print(f"  baseline (direct SSA, no operator): applied in {base_apply:.1f}s, Deployments Ready after "
-              f"{base_total:.1f}s")
-        print(f"  operator: kubectl apply {applied:.1f}s, all Ready (status written) after {fleet:.1f}s "
-              f"= {fleet / base_total:.2f}x baseline")
-        print(f"  operator CPU {cpu1 - cpu0:.1f}s for the fleet ({(cpu1 - cpu0) / args.count * 1000:.0f} ms per "
-              f"InferenceService); {cpu2 - cpu1:.2f}s in the 15s after")
-        print(f"  operator RSS idle {idle_rss / 1024:.0f} MiB, after {rss / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB")
+        print(
+            f"apply -> Ready (Disaggregated, 1 prefill + 1 decode + proxy), {args.latency_runs} runs: "
+            + ", ".join(f"{x:.2f}s" for x in latencies)
+            + f"; median {sorted(latencies)[len(latencies) // 2]:.2f}s"
+        )
+        print(
+            f"{args.count} InferenceServices ({len(manifests)} child objects, {args.count} pods):"
+        )
+        print(
+            f"  baseline (direct SSA, no operator): applied in {base_apply:.1f}s, Deployments Ready after "
+            f"{base_total:.1f}s"
+        )
+        print(
+            f"  operator: kubectl apply {applied:.1f}s, all Ready (status written) after {fleet:.1f}s "
+            f"= {fleet / base_total:.2f}x baseline"
+        )
+        print(
+            f"  operator CPU {cpu1 - cpu0:.1f}s for the fleet ({(cpu1 - cpu0) / args.count * 1000:.0f} ms per "
+            f"InferenceService); {cpu2 - cpu1:.2f}s in the 15s after"
+        )
+        print(
+            f"  operator RSS idle {idle_rss / 1024:.0f} MiB, after {rss / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB"
+        )
         return 0
     finally:
         if operator is not None:

@@ -16,6 +16,7 @@ Runs alternate ``--repeats`` times and keep each side's best (transfer) or their
 
     python bench/pd.py [--blocks 64] [--repeats 5] [--requests 60] [--skip-transfer] [--skip-proxy]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ import torch
 def make_cache(num_blocks: int, args: argparse.Namespace):
     from tandem.server.engine.kv_cache import KVCache
 
-    cfg = SimpleNamespace(num_hidden_layers=args.layers, num_key_value_heads=args.kv_heads, head_dim=args.head_dim)
-    return KVCache(cfg, num_blocks, args.block_size, getattr(torch, args.dtype), torch.device("cpu"))
+    cfg = SimpleNamespace(
+        num_hidden_layers=args.layers, num_key_value_heads=args.kv_heads, head_dim=args.head_dim
+    )
+    return KVCache(
+        cfg, num_blocks, args.block_size, getattr(torch, args.dtype), torch.device("cpu")
+    )
 
 
 def bench_transport(args: argparse.Namespace) -> dict[str, float]:
@@ -90,7 +95,9 @@ def bench_transport(args: argparse.Namespace) -> dict[str, float]:
 
     pull()
     socket_copy()  # warm-up both
-    assert torch.equal(dst.data[:, :, 1:], src.data[:, :, 1:]), "the pulled blocks differ from the source"
+    assert torch.equal(dst.data[:, :, 1:], src.data[:, :, 1:]), (
+        "the pulled blocks differ from the source"
+    )
     best = {"transport": float("inf"), "socket": float("inf")}
     for _ in range(args.repeats):
         for name, fn in (("transport", pull), ("socket", socket_copy)):
@@ -140,19 +147,55 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, float]:
     exe = [sys.executable, "-m", "tandem.server.cli"]
     e_port, p_port = free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{e_port}", f"http://127.0.0.1:{p_port}"
-    procs = [subprocess.Popen([*exe, "serve", "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
-                               "--port", str(e_port), "--log-level", "warning", "--kv-cache-tokens", "4096"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-             subprocess.Popen([*exe, "proxy", "--host", "127.0.0.1", "--port", str(p_port), "--node", engine_url,
-                               "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(
+            [
+                *exe,
+                "serve",
+                "--model",
+                model,
+                "--served-model-name",
+                "tiny",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(e_port),
+                "--log-level",
+                "warning",
+                "--kv-cache-tokens",
+                "4096",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [
+                *exe,
+                "proxy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p_port),
+                "--node",
+                engine_url,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+    ]
     try:
         wait_health(engine_url, procs[0])
         wait_health(proxy_url, procs[1])
         body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 1, "temperature": 0}
         times: dict[str, list[float]] = {"direct": [], "proxy": []}
-        with httpx.Client(base_url=engine_url, timeout=60) as direct, \
-                httpx.Client(base_url=proxy_url, timeout=60) as via:
+        with (
+            httpx.Client(base_url=engine_url, timeout=60) as direct,
+            httpx.Client(base_url=proxy_url, timeout=60) as via,
+        ):
             clients = {"direct": direct, "proxy": via}
             for c in clients.values():  # warm-up: connections, first-request costs
                 for _ in range(5):
@@ -190,8 +233,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=60, help="requests per side for the proxy latency")
-    ap.add_argument("--model", default=None, help="model for the proxy latency run (default: a tiny one)")
+    ap.add_argument(
+        "--requests", type=int, default=60, help="requests per side for the proxy latency"
+    )
+    ap.add_argument(
+        "--model", default=None, help="model for the proxy latency run (default: a tiny one)"
+    )
     ap.add_argument("--skip-transfer", action="store_true")
     ap.add_argument("--skip-proxy", action="store_true")
     args = ap.parse_args()
@@ -202,19 +249,33 @@ def main() -> None:
         mib = r["bytes"] / 2**20
         t_gbs = r["bytes"] / r["transport_s"] / 1e9
         s_gbs = r["bytes"] / r["socket_s"] / 1e9
-        print(f"KV transfer over loopback, {args.blocks} blocks = {mib:.0f} MiB per pull "
-              f"({args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} x {args.dtype}, "
-              f"block {args.block_size}), best of {args.repeats}:")
-        print(f"  tandem transport (pyzmq, stage + scatter): {r['transport_s'] * 1e3:8.1f} ms  {t_gbs:6.2f} GB/s")
-        print(f"  plain socket copy of the same bytes:       {r['socket_s'] * 1e3:8.1f} ms  {s_gbs:6.2f} GB/s")
+        print(
+            f"KV transfer over loopback, {args.blocks} blocks = {mib:.0f} MiB per pull "
+            f"({args.layers} layers x {args.kv_heads} KV heads x {args.head_dim} x {args.dtype}, "
+            f"block {args.block_size}), best of {args.repeats}:"
+        )
+        print(
+            f"  tandem transport (pyzmq, stage + scatter): {r['transport_s'] * 1e3:8.1f} ms  {t_gbs:6.2f} GB/s"
+        )
+        print(
+            f"  plain socket copy of the same bytes:       {r['socket_s'] * 1e3:8.1f} ms  {s_gbs:6.2f} GB/s"
+        )
         print(f"  ratio transport / socket throughput:       {t_gbs / s_gbs:8.2f}")
     if not args.skip_proxy:
         r = bench_proxy(args)
-        print(f"Proxy hop, {args.requests} sequential requests per side (1 output token, alternating):")
-        print(f"  engine direct:   median {r['direct_median_s'] * 1e3:7.2f} ms   p90 {r['direct_p90_s'] * 1e3:7.2f} ms")
-        print(f"  through proxy:   median {r['proxy_median_s'] * 1e3:7.2f} ms   p90 {r['proxy_p90_s'] * 1e3:7.2f} ms")
-        print(f"  added per request (median): {(r['proxy_median_s'] - r['direct_median_s']) * 1e3:.2f} ms; "
-              f"ratio proxy / direct: {r['proxy_median_s'] / r['direct_median_s']:.2f}")
+        print(
+            f"Proxy hop, {args.requests} sequential requests per side (1 output token, alternating):"
+        )
+        print(
+            f"  engine direct:   median {r['direct_median_s'] * 1e3:7.2f} ms   p90 {r['direct_p90_s'] * 1e3:7.2f} ms"
+        )
+        print(
+            f"  through proxy:   median {r['proxy_median_s'] * 1e3:7.2f} ms   p90 {r['proxy_p90_s'] * 1e3:7.2f} ms"
+        )
+        print(
+            f"  added per request (median): {(r['proxy_median_s'] - r['direct_median_s']) * 1e3:.2f} ms; "
+            f"ratio proxy / direct: {r['proxy_median_s'] / r['direct_median_s']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,15 +31,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     directory = _binaries()
     missing = missing_binaries(directory)
     if missing:
-        reason = f"e2e binaries missing in {directory}: {', '.join(missing)} (run: bash e2e/setup.sh)"
+        reason = (
+            f"e2e binaries missing in {directory}: {', '.join(missing)} (run: bash e2e/setup.sh)"
+        )
         if os.environ.get("TANDEM_E2E_REQUIRE"):
             pytest.fail(reason + "; TANDEM_E2E_REQUIRE is set", pytrace=False)
         pytest.skip(reason)
     instance = Cluster(tmp_path_factory.mktemp("cluster"), directory)
     try:
         instance.start()
-        print(f"\n[e2e] control plane ready in {instance.startup_seconds:.1f}s "
-              f"(state {instance.state_dir})", file=sys.stderr)
+        print(
+            f"\n[e2e] control plane ready in {instance.startup_seconds:.1f}s "
+            f"(state {instance.state_dir})",
+            file=sys.stderr,
+        )
         yield instance
     finally:
         instance.stop()
@@ -59,9 +64,13 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     """A fresh namespace whose `default` ServiceAccount exists (pods need it)."""
     name = f"e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
-    wait_for(f"ServiceAccount {name}/default",
-             lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name,
-                                     check=False).returncode == 0,
-             timeout=60)
+    wait_for(
+        f"ServiceAccount {name}/default",
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        timeout=60,
+    )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -6,6 +6,7 @@ runs under: a missing permission fails these tests. kwok's fake GPU nodes run th
 (the containers never start; kwok marks them Ready), so status, scheduling on
 ``nvidia.com/gpu``, rollouts and garbage collection are real, and the engines are not.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,17 @@ PEERING = "tandem-e2e"
 
 def _isvc(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
     body = {"model": {"name": "tiny", "uri": "/opt/models/tiny"}, **spec}
-    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": namespace}, "spec": body}
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
 
 
-def _apply(cluster: Cluster, obj: dict[str, Any], check: bool = True, *extra: str) -> subprocess.CompletedProcess[str]:
+def _apply(
+    cluster: Cluster, obj: dict[str, Any], check: bool = True, *extra: str
+) -> subprocess.CompletedProcess[str]:
     return cluster.kubectl("apply", *extra, "-f", "-", input=json.dumps(obj), check=check)
 
 
@@ -43,24 +50,52 @@ def _get(cluster: Cluster, kind: str, name: str, namespace: str) -> dict[str, An
 
 
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+    return next(
+        (c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {}
+    )
 
 
 def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
     kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
-    items = cluster.kubectl_json("get", kinds, "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}",
-                                 "--show-managed-fields")["items"]
+    items = cluster.kubectl_json(
+        "get",
+        kinds,
+        "-n",
+        namespace,
+        "-l",
+        f"tandem.dev/inferenceservice={name}",
+        "--show-managed-fields",
+    )["items"]
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
 
 
 # ---- the chart and the operator ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def chart(cluster: Cluster) -> Iterator[None]:
-    cluster.helm("install", RELEASE, str(ROOT / "helm/tandem"), "-n", RELEASE_NS, "--create-namespace",
-                 "--set", f"peering.name={PEERING}", "--set", "image.tag=e2e", "--wait", "--timeout", "120s")
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tandem.dev",
-                    "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s")
+    cluster.helm(
+        "install",
+        RELEASE,
+        str(ROOT / "helm/tandem"),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--set",
+        f"peering.name={PEERING}",
+        "--set",
+        "image.tag=e2e",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "crd/inferenceservices.tandem.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+        "--timeout=60s",
+    )
     yield
     cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "60s", check=False)
 
@@ -76,15 +111,28 @@ class Operator:
         self.starts = 0
 
     def write_kubeconfig(self) -> None:
-        token = self.cluster.kubectl("create", "token", RELEASE, "-n", RELEASE_NS, "--duration=2h").stdout.strip()
+        token = self.cluster.kubectl(
+            "create", "token", RELEASE, "-n", RELEASE_NS, "--duration=2h"
+        ).stdout.strip()
         admin = yaml.safe_load(self.cluster.kubeconfig.read_text())
         cluster_entry = admin["clusters"][0]
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [cluster_entry],
-            "users": [{"name": "operator", "user": {"token": token}}],
-            "contexts": [{"name": "operator", "context": {"cluster": cluster_entry["name"], "user": "operator"}}],
-            "current-context": "operator"}))
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [cluster_entry],
+                    "users": [{"name": "operator", "user": {"token": token}}],
+                    "contexts": [
+                        {
+                            "name": "operator",
+                            "context": {"cluster": cluster_entry["name"], "user": "operator"},
+                        }
+                    ],
+                    "current-context": "operator",
+                }
+            )
+        )
 
     def start(self) -> None:
         self.starts += 1
@@ -93,9 +141,27 @@ class Operator:
         with self.log.open("a") as log:
             log.write(f"\n===== start {self.starts} =====\n")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tandem.server.cli", "operator", "--kubeconfig", str(self.kubeconfig),
-                 "--peering", PEERING, "--liveness", "", "--resync-seconds", "30", "--image", "tandem:e2e"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.server.cli",
+                    "operator",
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    "--peering",
+                    PEERING,
+                    "--liveness",
+                    "",
+                    "--resync-seconds",
+                    "30",
+                    "--image",
+                    "tandem:e2e",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
         time.sleep(1)
         assert self.running(), self.tail()
 
@@ -116,14 +182,16 @@ class Operator:
 
     def output_since_start(self) -> str:
         text = self.log.read_text()
-        return text[text.rfind(f"===== start {self.starts} ====="):]
+        return text[text.rfind(f"===== start {self.starts} =====") :]
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+def operator(
+    cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
     op = Operator(cluster, tmp_path_factory.mktemp("operator"))
     op.write_kubeconfig()
     op.start()
@@ -134,20 +202,26 @@ def operator(cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFac
         print(f"\n[e2e] operator log tail:\n{op.tail(15)}", file=sys.stderr)
 
 
-def _wait_ready(cluster: Cluster, op: Operator, namespace: str, name: str, timeout: float = 90) -> dict[str, Any]:
+def _wait_ready(
+    cluster: Cluster, op: Operator, namespace: str, name: str, timeout: float = 90
+) -> dict[str, Any]:
     def ready() -> bool:
         return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("status") == "True"
 
     try:
         wait_for(f"{namespace}/{name} to be Ready", ready, timeout=timeout, interval=1)
     except TimeoutError:
-        print(json.dumps(_get(cluster, "tisvc", name, namespace).get("status"), indent=1), file=sys.stderr)
+        print(
+            json.dumps(_get(cluster, "tisvc", name, namespace).get("status"), indent=1),
+            file=sys.stderr,
+        )
         print(op.tail(), file=sys.stderr)
         raise
     return _get(cluster, "tisvc", name, namespace)
 
 
 # ---- the chart ------------------------------------------------------------------------------
+
 
 def test_chart_installs_lints_and_upgrades(cluster: Cluster, chart: None) -> None:
     lint = cluster.helm("lint", "--strict", str(ROOT / "helm/tandem"))
@@ -161,9 +235,22 @@ def test_chart_installs_lints_and_upgrades(cluster: Cluster, chart: None) -> Non
     # the CRD is a template, so an upgrade updates it (helm never upgrades crds/)
     crd = cluster.kubectl_json("get", "crd", "inferenceservices.tandem.dev")
     assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == RELEASE
-    cluster.helm("upgrade", RELEASE, str(ROOT / "helm/tandem"), "-n", RELEASE_NS, "--reuse-values",
-                 "--set", "resyncSeconds=90", "--wait", "--timeout", "120s")
-    args = _get(cluster, "deployment", "tandem", RELEASE_NS)["spec"]["template"]["spec"]["containers"][0]["args"]
+    cluster.helm(
+        "upgrade",
+        RELEASE,
+        str(ROOT / "helm/tandem"),
+        "-n",
+        RELEASE_NS,
+        "--reuse-values",
+        "--set",
+        "resyncSeconds=90",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    args = _get(cluster, "deployment", "tandem", RELEASE_NS)["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
     assert "--resync-seconds=90" in args
 
 
@@ -171,7 +258,9 @@ def test_chart_rbac_is_least_privilege(cluster: Cluster, chart: None) -> None:
     sa = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
 
     def can(*args: str) -> bool:
-        return cluster.kubectl("auth", "can-i", *args, "--as", sa, check=False).stdout.strip() == "yes"
+        return (
+            cluster.kubectl("auth", "can-i", *args, "--as", sa, check=False).stdout.strip() == "yes"
+        )
 
     assert can("patch", "inferenceservices.tandem.dev/status", "-A")
     assert can("create", "deployments.apps", "-n", "default")
@@ -186,19 +275,28 @@ def test_chart_rbac_is_least_privilege(cluster: Cluster, chart: None) -> None:
 
 BROKEN = [
     ({"mode": "Aggregated", "prefill": {"replicas": 1}}, "Aggregated mode has no prefill role"),
-    ({"decode": {"replicas": 2, "autoscaling": {"maxReplicas": 3}}}, "replicas and autoscaling are mutually exclusive"),
-    ({"decode": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
-     "autoscaling.minReplicas must not exceed maxReplicas"),
+    (
+        {"decode": {"replicas": 2, "autoscaling": {"maxReplicas": 3}}},
+        "replicas and autoscaling are mutually exclusive",
+    ),
+    (
+        {"decode": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
+        "autoscaling.minReplicas must not exceed maxReplicas",
+    ),
     ({"prefill": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize must equal gpus"),
-    ({"decode": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": "1"}}}},
-     "resources.limits['nvidia.com/gpu'] must equal gpus"),
+    (
+        {"decode": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": "1"}}}},
+        "resources.limits['nvidia.com/gpu'] must equal gpus",
+    ),
     ({"engine": {"blockSize": 24}}, "engine.blockSize must be a power of two"),
     ({"model": {"name": "m", "uri": "s3://bucket/model"}}, "model.uri must be hf://org/repo"),
     ({"model": {"name": "m", "uri": "/m", "revision": "v1"}}, "apply only to hf:// models"),
 ]
 
 
-def test_crd_rejects_each_broken_rule_with_its_message(cluster: Cluster, chart: None, namespace: str) -> None:
+def test_crd_rejects_each_broken_rule_with_its_message(
+    cluster: Cluster, chart: None, namespace: str
+) -> None:
     from tandem.operator.spec import load_inference_service
 
     for spec, message in BROKEN:
@@ -212,37 +310,82 @@ def test_crd_rejects_each_broken_rule_with_its_message(cluster: Cluster, chart: 
     result = _apply(cluster, _isvc("x" * 41, namespace), False, "--dry-run=server")
     assert result.returncode != 0 and "metadata.name must be at most 40 characters" in result.stderr
     # structural schema: an unknown field is pruned, not stored
-    _apply(cluster, _isvc("pruned", namespace, engine={"blockSize": 16, "bogus": 1}), True, "--validate=ignore")
+    _apply(
+        cluster,
+        _isvc("pruned", namespace, engine={"blockSize": 16, "bogus": 1}),
+        True,
+        "--validate=ignore",
+    )
     stored = _get(cluster, "tisvc", "pruned", namespace)
-    assert "bogus" not in stored["spec"]["engine"] and stored["spec"]["mode"] == "Disaggregated"  # defaulted
+    assert (
+        "bogus" not in stored["spec"]["engine"] and stored["spec"]["mode"] == "Disaggregated"
+    )  # defaulted
     # the mode is immutable
-    patch = cluster.kubectl("patch", "tisvc", "pruned", "-n", namespace, "--type=merge",
-                            "-p", json.dumps({"spec": {"mode": "Aggregated", "prefill": None}}), check=False)
+    patch = cluster.kubectl(
+        "patch",
+        "tisvc",
+        "pruned",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"mode": "Aggregated", "prefill": None}}),
+        check=False,
+    )
     assert patch.returncode != 0 and "mode is immutable" in patch.stderr
     cluster.kubectl("delete", "tisvc", "pruned", "-n", namespace)
 
 
 # ---- lifecycle ----------------------------------------------------------------------------------
 
+
 def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, namespace: str) -> None:
     """Children with owner references, Ready with URL and counts, a rolling spec change, an
     operator restart mid-way that changes nothing, and deletion that removes every child."""
     name = "llama"
-    _apply(cluster, _isvc(name, namespace, prefill={"replicas": 1, "gpus": 2}, decode={"replicas": 2},
-                          engine={"maxModelLen": 2048}))
-    expected = {f"{kind}/{n}" for kind, n in [
-        ("Deployment", "llama-prefill"), ("Deployment", "llama-decode"), ("Deployment", "llama-proxy"),
-        ("Service", "llama-prefill"), ("Service", "llama-decode"), ("Service", "llama"),
-        ("PodDisruptionBudget", "llama-prefill"), ("PodDisruptionBudget", "llama-decode"),
-        ("PodDisruptionBudget", "llama-proxy"), ("ServiceAccount", "llama-proxy"),
-        ("Role", "llama-proxy"), ("RoleBinding", "llama-proxy")]}
-    wait_for("the children", lambda: set(_children(cluster, namespace, name)) == expected, timeout=60, interval=1)
+    _apply(
+        cluster,
+        _isvc(
+            name,
+            namespace,
+            prefill={"replicas": 1, "gpus": 2},
+            decode={"replicas": 2},
+            engine={"maxModelLen": 2048},
+        ),
+    )
+    expected = {
+        f"{kind}/{n}"
+        for kind, n in [
+            ("Deployment", "llama-prefill"),
+            ("Deployment", "llama-decode"),
+            ("Deployment", "llama-proxy"),
+            ("Service", "llama-prefill"),
+            ("Service", "llama-decode"),
+            ("Service", "llama"),
+            ("PodDisruptionBudget", "llama-prefill"),
+            ("PodDisruptionBudget", "llama-decode"),
+            ("PodDisruptionBudget", "llama-proxy"),
+            ("ServiceAccount", "llama-proxy"),
+            ("Role", "llama-proxy"),
+            ("RoleBinding", "llama-proxy"),
+        ]
+    }
+    wait_for(
+        "the children",
+        lambda: set(_children(cluster, namespace, name)) == expected,
+        timeout=60,
+        interval=1,
+    )
     isvc = _get(cluster, "tisvc", name, namespace)
     children = _children(cluster, namespace, name)
     for obj in children.values():
         refs = obj["metadata"]["ownerReferences"]
-        assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [("InferenceService", isvc["metadata"]["uid"], True)]
-        managers = {m["manager"] for m in obj["metadata"]["managedFields"] if m["operation"] == "Apply"}
+        assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [
+            ("InferenceService", isvc["metadata"]["uid"], True)
+        ]
+        managers = {
+            m["manager"] for m in obj["metadata"]["managedFields"] if m["operation"] == "Apply"
+        }
         assert managers == {"tandem-operator"}  # server-side applied
     prefill_pod = children["Deployment/llama-prefill"]["spec"]["template"]["spec"]
     assert prefill_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
@@ -255,57 +398,123 @@ def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, names
     assert status["observedGeneration"] == 1 and status["phase"] == "Ready"
     assert status["url"] == f"http://llama.{namespace}.svc.cluster.local:8000/v1"
     assert status["prefill"]["replicas"] == "1/1" and status["decode"]["replicas"] == "2/2"
-    assert {c["type"] for c in status["conditions"]} >= {"Ready", "Progressing", "Degraded", "PrefillReady",
-                                                          "DecodeReady", "ProxyReady"}
+    assert {c["type"] for c in status["conditions"]} >= {
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "PrefillReady",
+        "DecodeReady",
+        "ProxyReady",
+    }
     assert "kopf" not in status  # kopf's bookkeeping is in annotations
     assert any(k.startswith("kopf.tandem.dev/") for k in isvc["metadata"].get("annotations", {}))
     table = cluster.kubectl("get", "tisvc", name, "-n", namespace).stdout
     header, row = table.splitlines()[:2]
     assert header.split()[:6] == ["NAME", "MODEL", "MODE", "PREFILL", "DECODE", "READY"]
-    assert row.split()[:6] == [name, "tiny", "Disaggregated", "1/1", "2/2", "True"] and status["url"] in row
+    assert (
+        row.split()[:6] == [name, "tiny", "Disaggregated", "1/1", "2/2", "True"]
+        and status["url"] in row
+    )
 
     # A restart of a settled operator changes nothing: server-side apply of the same
     # manifests is a no-op, so no child's resourceVersion moves.
-    before = {k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()}
+    before = {
+        k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()
+    }
     operator.stop()
     operator.start()
-    wait_for("the resumed operator to re-apply llama",
-             lambda: f"[{namespace}/{name}] applied" in operator.output_since_start(), timeout=60, interval=1)
+    wait_for(
+        "the resumed operator to re-apply llama",
+        lambda: f"[{namespace}/{name}] applied" in operator.output_since_start(),
+        timeout=60,
+        interval=1,
+    )
     time.sleep(2)
-    after = {k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()}
+    after = {
+        k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()
+    }
     assert after == before
     assert _condition(_get(cluster, "tisvc", name, namespace), "Ready")["status"] == "True"
 
     # A spec change rolls the engine pods and moves observedGeneration.
-    old_pods = {p["metadata"]["name"] for p in cluster.kubectl_json(
-        "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode")["items"]}
-    cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"engine": {"maxModelLen": 4096}}}))
-    wait_for("observedGeneration 2", lambda: (_get(cluster, "tisvc", name, namespace)["status"]
-                                              .get("observedGeneration")) == 2, timeout=60, interval=1)
-    cluster.kubectl("rollout", "status", "deployment/llama-decode", "-n", namespace, "--timeout=90s")
+    old_pods = {
+        p["metadata"]["name"]
+        for p in cluster.kubectl_json(
+            "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode"
+        )["items"]
+    }
+    cluster.kubectl(
+        "patch",
+        "tisvc",
+        name,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"maxModelLen": 4096}}}),
+    )
+    wait_for(
+        "observedGeneration 2",
+        lambda: (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2,
+        timeout=60,
+        interval=1,
+    )
+    cluster.kubectl(
+        "rollout", "status", "deployment/llama-decode", "-n", namespace, "--timeout=90s"
+    )
     _wait_ready(cluster, operator, namespace, name)
-    args = _get(cluster, "deployment", "llama-decode", namespace)["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = _get(cluster, "deployment", "llama-decode", namespace)["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
     assert args[args.index("--max-model-len") + 1] == "4096"
-    new_pods = {p["metadata"]["name"] for p in cluster.kubectl_json(
-        "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode")["items"]
-        if not p["metadata"].get("deletionTimestamp")}
+    new_pods = {
+        p["metadata"]["name"]
+        for p in cluster.kubectl_json(
+            "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode"
+        )["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    }
     assert new_pods and not (new_pods & old_pods)
 
     # Deleting the InferenceService lets the garbage collector remove every child.
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
-    wait_for("every child to be collected", lambda: not _children(cluster, namespace, name), timeout=90, interval=1)
-    wait_for("the pods to go", lambda: not cluster.kubectl_json(
-        "get", "pods", "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}")["items"], timeout=90, interval=1)
+    wait_for(
+        "every child to be collected",
+        lambda: not _children(cluster, namespace, name),
+        timeout=90,
+        interval=1,
+    )
+    wait_for(
+        "the pods to go",
+        lambda: (
+            not cluster.kubectl_json(
+                "get", "pods", "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}"
+            )["items"]
+        ),
+        timeout=90,
+        interval=1,
+    )
 
 
-def test_more_gpus_than_any_node_has_shows_waiting_for_gpus(cluster: Cluster, operator: Operator,
-                                                           namespace: str) -> None:
+def test_more_gpus_than_any_node_has_shows_waiting_for_gpus(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
     name = "huge"
-    _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode={"replicas": 1, "gpus": cluster.nodes.gpus + 1}))
+    _apply(
+        cluster,
+        _isvc(
+            name,
+            namespace,
+            mode="Aggregated",
+            decode={"replicas": 1, "gpus": cluster.nodes.gpus + 1},
+        ),
+    )
 
     def waiting() -> bool:
-        return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason") == "WaitingForGPUs"
+        return (
+            _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason")
+            == "WaitingForGPUs"
+        )
 
     try:
         wait_for("Ready=False/WaitingForGPUs", waiting, timeout=60, interval=1)
@@ -320,53 +529,113 @@ def test_more_gpus_than_any_node_has_shows_waiting_for_gpus(cluster: Cluster, op
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 
-def test_autoscaled_role_replicas_are_left_to_the_autoscaler(cluster: Cluster, operator: Operator,
-                                                            namespace: str) -> None:
+def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
     name = "auto"
-    _apply(cluster, _isvc(name, namespace, mode="Aggregated",
-                          decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 3}}))
-    wait_for("the engine Deployment", lambda: "Deployment/auto-engine" in _children(cluster, namespace, name),
-             timeout=60, interval=1)
+    _apply(
+        cluster,
+        _isvc(
+            name,
+            namespace,
+            mode="Aggregated",
+            decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+        ),
+    )
+    wait_for(
+        "the engine Deployment",
+        lambda: "Deployment/auto-engine" in _children(cluster, namespace, name),
+        timeout=60,
+        interval=1,
+    )
     # someone (the HPA) scales it; the operator's next apply must not undo that
     cluster.kubectl("scale", "deployment/auto-engine", "-n", namespace, "--replicas=2")
     cluster.kubectl("annotate", "tisvc", name, "-n", namespace, "touch=1")  # an update event
-    cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 32}}}))
-    wait_for("observedGeneration 2", lambda: (_get(cluster, "tisvc", name, namespace)["status"]
-                                              .get("observedGeneration")) == 2, timeout=60, interval=1)
+    cluster.kubectl(
+        "patch",
+        "tisvc",
+        name,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"maxNumSeqs": 32}}}),
+    )
+    wait_for(
+        "observedGeneration 2",
+        lambda: (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2,
+        timeout=60,
+        interval=1,
+    )
     assert _get(cluster, "deployment", "auto-engine", namespace)["spec"]["replicas"] == 2
     hpa = _get(cluster, "hpa", "auto-engine", namespace)
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 
-def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(cluster: Cluster, operator: Operator,
-                                                                  namespace: str) -> None:
+def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
     """hf:// -> a download Job into the cache PVC (kwok completes its pod), then engines."""
     storage_class = f"manual-{namespace}"
-    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"models-{namespace}"},
-          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                   "storageClassName": storage_class, "hostPath": {"path": "/tmp/tandem-models"}}}
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": namespace},
-           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": storage_class,
-                    "resources": {"requests": {"storage": "1Gi"}}}}
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"models-{namespace}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": storage_class,
+            "hostPath": {"path": "/tmp/tandem-models"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "models", "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": storage_class,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
     _apply(cluster, pv)
     try:
         _apply(cluster, pvc)
-        wait_for("the cache PVC to bind", lambda: _get(cluster, "pvc", "models", namespace)["status"].get("phase")
-                 == "Bound", timeout=60, interval=1)
+        wait_for(
+            "the cache PVC to bind",
+            lambda: _get(cluster, "pvc", "models", namespace)["status"].get("phase") == "Bound",
+            timeout=60,
+            interval=1,
+        )
         name = "hf"
-        _apply(cluster, _isvc(name, namespace, mode="Aggregated",
-                              model={"name": "tiny", "uri": "hf://tandem/tiny", "revision": "v1",
-                                     "cache": {"claimName": "models"}}))
-        jobs = lambda: cluster.kubectl_json("get", "jobs", "-n", namespace, "-l",  # noqa: E731
-                                            f"tandem.dev/inferenceservice={name}")["items"]
+        _apply(
+            cluster,
+            _isvc(
+                name,
+                namespace,
+                mode="Aggregated",
+                model={
+                    "name": "tiny",
+                    "uri": "hf://tandem/tiny",
+                    "revision": "v1",
+                    "cache": {"claimName": "models"},
+                },
+            ),
+        )
+
+        def jobs() -> list:
+            selector = f"tandem.dev/inferenceservice={name}"
+            return cluster.kubectl_json("get", "jobs", "-n", namespace, "-l", selector)["items"]
+
         wait_for("the download Job", lambda: len(jobs()) == 1, timeout=60, interval=1)
         container = jobs()[0]["spec"]["template"]["spec"]["containers"][0]
         assert container["command"][-3:] == ["tandem/tiny", "v1", "/models/cache/tandem/tiny/v1"]
         _wait_ready(cluster, operator, namespace, name, timeout=120)
         job = jobs()[0]
-        assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
+        assert any(
+            c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"]
+        )
         engine = _get(cluster, "deployment", "hf-engine", namespace)["spec"]["template"]["spec"]
         assert engine["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
         args = engine["containers"][0]["args"]
@@ -377,13 +646,15 @@ def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(cluster: Clust
         cluster.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false", check=False)
 
 
-def test_a_second_operator_waits_until_the_leader_leaves(cluster: Cluster, operator: Operator, namespace: str,
-                                                         tmp_path: Path) -> None:
+def test_a_second_operator_waits_until_the_leader_leaves(
+    cluster: Cluster, operator: Operator, namespace: str, tmp_path: Path
+) -> None:
     """kopf peering: the older replica leads; the newer one applies nothing until it goes."""
     second = Operator(cluster, tmp_path)
     second.kubeconfig = operator.kubeconfig
     second.start()
     try:
+
         def peers() -> int:
             status = cluster.kubectl_json("get", "clusterkopfpeering", PEERING).get("status") or {}
             return len([v for v in status.values() if v])
@@ -397,11 +668,30 @@ def test_a_second_operator_waits_until_the_leader_leaves(cluster: Cluster, opera
         assert marker not in second.output_since_start()
 
         operator.stop()  # the leader leaves: the follower takes over and resumes the object
-        wait_for("the follower to take over", lambda: marker in second.output_since_start(), timeout=60, interval=1)
-        cluster.kubectl("patch", "tisvc", name, "-n", namespace, "--type=merge",
-                        "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 16}}}))
-        wait_for("observedGeneration 2 from the new leader", lambda: (_get(cluster, "tisvc", name, namespace)
-                 ["status"].get("observedGeneration")) == 2, timeout=60, interval=1)
+        wait_for(
+            "the follower to take over",
+            lambda: marker in second.output_since_start(),
+            timeout=60,
+            interval=1,
+        )
+        cluster.kubectl(
+            "patch",
+            "tisvc",
+            name,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"engine": {"maxNumSeqs": 16}}}),
+        )
+        wait_for(
+            "observedGeneration 2 from the new leader",
+            lambda: (
+                (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2
+            ),
+            timeout=60,
+            interval=1,
+        )
         cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
     finally:
         second.stop()

@@ -1,19 +1,31 @@
 """Helpers for the API tests: a tiny model on disk and a real ``tandem serve`` process on loopback."""
+
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 
 API_KEY = "sk-test-key"
 # Small enough for a 2-core CPU; max_model_len 512 makes an oversized prompt cheap to build.
-ENGINE_FLAGS = ["--kv-cache-tokens", "4096", "--max-num-seqs", "64", "--max-model-len", "512", "--block-size", "16"]
+ENGINE_FLAGS = [
+    "--kv-cache-tokens",
+    "4096",
+    "--max-num-seqs",
+    "64",
+    "--max-model-len",
+    "512",
+    "--block-size",
+    "16",
+]
 
 
 def make_model(root: Path, arch: str = "llama") -> str:
@@ -63,14 +75,34 @@ class ChildProcess:
 class ServerProcess(ChildProcess):
     """``tandem serve`` in a subprocess."""
 
-    def __init__(self, model_dir: str, *extra: str, api_key: str | None = None, log_path: Path | None = None,
-                 served_model_name: str = "tiny") -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *extra: str,
+        api_key: str | None = None,
+        log_path: Path | None = None,
+        served_model_name: str = "tiny",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--served-model-name", served_model_name, "--log-level", "warning",
-               *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.server.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            served_model_name,
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -100,8 +132,14 @@ class ServerProcess(ChildProcess):
         while time.monotonic() < deadline:
             h = self.health()
             pool = h["block_pool"]
-            if (h["active_requests"] == 0 and h["pending_requests"] == 0
-                    and (sessions_ok or (h["active_sessions"] == 0 and pool["free_blocks"] == pool["total_blocks"]))):
+            if (
+                h["active_requests"] == 0
+                and h["pending_requests"] == 0
+                and (
+                    sessions_ok
+                    or (h["active_sessions"] == 0 and pool["free_blocks"] == pool["total_blocks"])
+                )
+            ):
                 return h
             time.sleep(0.1)
         raise AssertionError(f"server did not go idle: {h}")
@@ -109,4 +147,39 @@ class ServerProcess(ChildProcess):
 
 def sse_events(lines: list[str]) -> list[str]:
     """The ``data:`` payloads of an SSE body, in order."""
-    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
+    return [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition"
+) -> None:
+    """Poll ``condition`` until it holds; a generous bound, never a race the test relies on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout}s")
+        time.sleep(0.05)
+
+
+def aborted_count(server: ChildProcess) -> float:
+    """Requests this engine finished with ``finish_reason: abort`` (its Prometheus counter)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tandem:request_success_total") and 'finished_reason="abort"' in line
+    ]
+    return sum(float(line.split()[-1]) for line in lines)
+
+
+@contextlib.contextmanager
+def held(*servers: ChildProcess) -> Iterator[None]:
+    """Hold every request on these engines in flight (``POST /pause``) until the block exits:
+    a request that must still be running when its client leaves is held there, not raced."""
+    for s in servers:
+        httpx.post(s.url + "/pause", headers=s.headers, timeout=10).raise_for_status()
+    try:
+        yield
+    finally:
+        for s in servers:
+            httpx.post(s.url + "/resume", headers=s.headers, timeout=10).raise_for_status()

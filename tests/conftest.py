@@ -1,4 +1,5 @@
 """Shared fixtures: tiny models made once per test session, and HuggingFace references."""
+
 from __future__ import annotations
 
 import os

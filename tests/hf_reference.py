@@ -1,4 +1,5 @@
 """HuggingFace transformers as the reference: greedy continuations and per-step log-probs."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -16,13 +17,25 @@ def hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32,
-              **generate_kwargs: object) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(
+    model_dir: Path,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    **generate_kwargs: object,
+) -> tuple[list[int], torch.Tensor]:
     """Token ids and the raw logits [steps, vocab] of ``generate`` on one unpadded prompt."""
     model = hf_model(str(model_dir), dtype)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=None, return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=0, **generate_kwargs)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+            **generate_kwargs,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     return tokens, torch.stack([lg[0] for lg in out.logits]).float()

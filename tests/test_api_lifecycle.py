@@ -2,6 +2,7 @@
 
 One server with one running slot and one waiting slot, so "full" is exact.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,22 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = make_model(tmp_path_factory.mktemp("api-life-model"))
-    srv = ServerProcess(model_dir, "--kv-cache-tokens", "8192", "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                        "--session-ttl", "1", "--shutdown-timeout", "60", "--role", "decode",
-                        log_path=tmp_path_factory.mktemp("api-life-log") / "server.log")
+    srv = ServerProcess(
+        model_dir,
+        "--kv-cache-tokens",
+        "8192",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--session-ttl",
+        "1",
+        "--shutdown-timeout",
+        "60",
+        "--role",
+        "decode",
+        log_path=tmp_path_factory.mktemp("api-life-log") / "server.log",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -48,7 +62,9 @@ def test_full_queue_is_429(server: ServerProcess) -> None:
                 lines = running.aiter_lines()
                 while not (await anext(lines)).startswith("data:"):
                     pass  # the first token is out: this request holds the only running slot
-                waiting = asyncio.create_task(c.post("/v1/completions", json={"prompt": "Waiting", "max_tokens": 3}))
+                waiting = asyncio.create_task(
+                    c.post("/v1/completions", json={"prompt": "Waiting", "max_tokens": 3})
+                )
                 while (await c.get("/health")).json()["pending_requests"] < 1:
                     await asyncio.sleep(0.02)
                 full = await c.post("/v1/completions", json={"prompt": "Refused", "max_tokens": 3})
@@ -70,7 +86,10 @@ def test_full_queue_is_429(server: ServerProcess) -> None:
 
 def test_sleep_and_wakeup(server: ServerProcess) -> None:
     url = server.url
-    assert httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+    assert (
+        httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code
+        == 200
+    )
     r = httpx.post(url + "/sleep", params={"level": 1})
     assert r.status_code == 200, r.text
     assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
@@ -85,18 +104,25 @@ def test_sleep_and_wakeup(server: ServerProcess) -> None:
     r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     # level 2 drops the weights too; greedy output is the same after they are reloaded
-    before = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 8, "temperature": 0}).json()
+    before = httpx.post(
+        url + "/v1/completions", json={"prompt": "b", "max_tokens": 8, "temperature": 0}
+    ).json()
     assert httpx.post(url + "/sleep", params={"level": 2}).status_code == 200
     assert httpx.post(url + "/wakeup").status_code == 200
-    after = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 8, "temperature": 0}).json()
+    after = httpx.post(
+        url + "/v1/completions", json={"prompt": "b", "max_tokens": 8, "temperature": 0}
+    ).json()
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
 
 
 def test_sleep_with_requests_in_flight_is_409(server: ServerProcess) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-            async with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000,
-                                                                 "ignore_eos": True, "stream": True}) as r:
+            async with c.stream(
+                "POST",
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+            ) as r:
                 lines = r.aiter_lines()
                 while not (await anext(lines)).startswith("data:"):
                     pass
@@ -108,11 +134,20 @@ def test_sleep_with_requests_in_flight_is_409(server: ServerProcess) -> None:
 
 
 def test_idle_sessions_expire(server: ServerProcess) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "session_id": "ttl"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "session_id": "ttl",
+        },
+    )
     assert r.status_code == 200
     h = server.health()
-    assert h["active_sessions"] == 1 and h["block_pool"]["free_blocks"] < h["block_pool"]["total_blocks"]
+    assert (
+        h["active_sessions"] == 1
+        and h["block_pool"]["free_blocks"] < h["block_pool"]["total_blocks"]
+    )
     deadline = time.monotonic() + 10
     while server.health()["active_sessions"] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -122,21 +157,29 @@ def test_idle_sessions_expire(server: ServerProcess) -> None:
 def test_sigterm_drains_then_exits(server: ServerProcess) -> None:
     """Runs last: SIGTERM refuses new work, lets the running stream finish, and exits 0."""
     with httpx.Client(base_url=server.url, timeout=120) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "Drain", "max_tokens": 600, "ignore_eos": True,
-                                                       "stream": True}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Drain", "max_tokens": 600, "ignore_eos": True, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             while not next(lines).startswith("data:"):
                 pass
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             try:  # a new request is refused: the listener is closed, or it gets a 503
-                refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+                refused = httpx.post(
+                    server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5
+                )
                 assert refused.status_code == 503
             except httpx.TransportError:
                 pass
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
-        finals = [json.loads(x[5:])["choices"][0]["finish_reason"] for x in rest[:-1]
-                  if json.loads(x[5:])["choices"]]
+        finals = [
+            json.loads(x[5:])["choices"][0]["finish_reason"]
+            for x in rest[:-1]
+            if json.loads(x[5:])["choices"]
+        ]
         assert finals[-1] == "length"
     assert server.proc.wait(30) == 0

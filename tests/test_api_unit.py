@@ -1,4 +1,5 @@
 """The API's pure pieces and the app in-process: request mapping, loading (503), auth, terminate."""
+
 from __future__ import annotations
 
 import threading
@@ -20,30 +21,57 @@ from .api_helpers import make_model
 
 # ----- mapping ------------------------------------------------------------------------------
 def _chat(**kw: object) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **kw})
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], **kw}
+    )
 
 
 def test_sampling_defaults_follow_openai() -> None:
     p = mapping.sampling_params(_chat(), vocab_size=100, default_max_tokens=None)
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (1, 1.0, 1.0, -1, None, None)
-    c = mapping.sampling_params(CompletionRequest(prompt="x"), vocab_size=100, default_max_tokens=16)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.logprobs) == (
+        1,
+        1.0,
+        1.0,
+        -1,
+        None,
+        None,
+    )
+    c = mapping.sampling_params(
+        CompletionRequest(prompt="x"), vocab_size=100, default_max_tokens=16
+    )
     assert c.max_tokens == 16
 
 
 def test_sampling_aliases_and_overrides() -> None:
-    p = mapping.sampling_params(_chat(max_tokens=50, max_completion_tokens=7, min_new_tokens=3, stop="END",
-                                      top_k=0, seed=-5, logit_bias={"3": 2.5}),
-                                vocab_size=100, default_max_tokens=None)
+    p = mapping.sampling_params(
+        _chat(
+            max_tokens=50,
+            max_completion_tokens=7,
+            min_new_tokens=3,
+            stop="END",
+            top_k=0,
+            seed=-5,
+            logit_bias={"3": 2.5},
+        ),
+        vocab_size=100,
+        default_max_tokens=None,
+    )
     assert p.max_tokens == 7 and p.min_tokens == 3 and p.stop == ["END"] and p.top_k == -1
     assert p.seed is not None and p.seed >= 0
     assert p.logit_bias == {3: 2.5}
 
 
-@pytest.mark.parametrize("kw,param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {"100": 1.0}}, "logit_bias"),
-    ({"top_p": 1.5}, "top_p"), ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -3}, "max_completion_tokens"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"100": 1.0}}, "logit_bias"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
 def test_sampling_rejects_with_param(kw: dict, param: str) -> None:
     with pytest.raises(APIError) as e:
         mapping.sampling_params(_chat(**kw), vocab_size=100, default_max_tokens=None)
@@ -62,7 +90,14 @@ def test_chat_logprob_count_and_checks() -> None:
 
 
 def test_session_keys() -> None:
-    assert [mapping.session_key(v) for v in (None, "", -1, 0, 7, "abc")] == [None, None, None, "0", "7", "abc"]
+    assert [mapping.session_key(v) for v in (None, "", -1, 0, 7, "abc")] == [
+        None,
+        None,
+        None,
+        "0",
+        "7",
+        "abc",
+    ]
 
 
 def test_completion_prompt_shapes() -> None:
@@ -75,9 +110,13 @@ def test_completion_prompt_shapes() -> None:
 
 
 def test_generate_and_ollama_params() -> None:
-    p = mapping.generate_sampling_params(GenerateRequest(prompt="x", top_k=0, return_logprob=True), vocab_size=10)
+    p = mapping.generate_sampling_params(
+        GenerateRequest(prompt="x", top_k=0, return_logprob=True), vocab_size=10
+    )
     assert p.top_k == -1 and p.logprobs == 0 and p.max_tokens == 128
-    o = ollama_sampling_params({"num_predict": -1, "temperature": 0, "top_k": 0, "stop": "x", "num_ctx": 4096})
+    o = ollama_sampling_params(
+        {"num_predict": -1, "temperature": 0, "top_k": 0, "stop": "x", "num_ctx": 4096}
+    )
     assert o.max_tokens is None and o.temperature == 0 and o.top_k == -1 and o.stop == ["x"]
     with pytest.raises(APIError):
         ollama_sampling_params({"seed": "1"})
@@ -86,7 +125,11 @@ def test_generate_and_ollama_params() -> None:
 def test_stream_cursor_sends_each_piece_once() -> None:
     cur = mapping.Cursor()
     pieces = []
-    for text, ids, reason in [("He", [1], None), ("Hello", [1, 2], None), ("Hello!", [1, 2, 3], "stop")]:
+    for text, ids, reason in [
+        ("He", [1], None),
+        ("Hello", [1, 2], None),
+        ("Hello!", [1, 2, 3], "stop"),
+    ]:
         pieces.append(cur.advance(CompletionOutput(0, text, ids, reason))[:2])
     assert pieces == [("He", [1]), ("llo", [2]), ("!", [3])] and cur.done
 
@@ -96,15 +139,32 @@ def test_response_shapes_and_usage() -> None:
         def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
             return "".join(chr(97 + i) for i in ids)
 
-    out = RequestOutput("r", [5, 6, 7], [CompletionOutput(0, "ab", [0, 1], "length"),
-                                         CompletionOutput(1, "c", [2], "stop")], True, num_cached_tokens=2)
-    body = mapping.chat_response(request_id="r", created=1, model="m", outputs=[out], tokenizer=Tok(),
-                                 top_logprobs=None)
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                             "prompt_tokens_details": {"cached_tokens": 2}}
+    out = RequestOutput(
+        "r",
+        [5, 6, 7],
+        [CompletionOutput(0, "ab", [0, 1], "length"), CompletionOutput(1, "c", [2], "stop")],
+        True,
+        num_cached_tokens=2,
+    )
+    body = mapping.chat_response(
+        request_id="r", created=1, model="m", outputs=[out], tokenizer=Tok(), top_logprobs=None
+    )
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
-    cmpl = mapping.completion_response(request_id="r", created=1, model="m", outputs=[out, out], tokenizer=Tok(),
-                                       logprobs=None, echo_texts=["P", None])
+    cmpl = mapping.completion_response(
+        request_id="r",
+        created=1,
+        model="m",
+        outputs=[out, out],
+        tokenizer=Tok(),
+        logprobs=None,
+        echo_texts=["P", None],
+    )
     assert [c["index"] for c in cmpl["choices"]] == [0, 1, 2, 3]
     assert cmpl["choices"][0]["text"] == "Pab" and cmpl["choices"][2]["text"] == "ab"
     assert cmpl["usage"]["prompt_tokens"] == 6
@@ -158,9 +218,13 @@ def test_failed_engine_is_503_and_reported(model_dir: str) -> None:
 
     from transformers import AutoTokenizer
 
-    app = build_app(ServerSettings(model_dir=model_dir, served_model_name="unit"), broken,
-                    tokenizer=AutoTokenizer.from_pretrained(model_dir), vocab_size=1024,
-                    on_engine_failure=failures.append)
+    app = build_app(
+        ServerSettings(model_dir=model_dir, served_model_name="unit"),
+        broken,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        vocab_size=1024,
+        on_engine_failure=failures.append,
+    )
     with TestClient(app) as c:
         assert not app.state.tandem.engine.wait_ready(10)
         assert c.get("/health").json()["status"] == "failed"
@@ -175,7 +239,10 @@ def test_auth_terminate_and_env_key(model_dir: str) -> None:
         assert app.state.tandem.engine.wait_ready(30)
         assert c.get("/v1/models").status_code == 401
         assert c.get("/openapi.json").status_code == 401
-        assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).json()["data"][0]["id"] == "unit"
+        assert (
+            c.get("/v1/models", headers={"Authorization": "Bearer k1"}).json()["data"][0]["id"]
+            == "unit"
+        )
         assert c.get("/health").status_code == 200
         # not started by `tandem serve`: terminate says it cannot
         assert c.get("/terminate", headers={"Authorization": "Bearer k1"}).status_code == 501
@@ -196,15 +263,40 @@ def test_serve_cli_flags() -> None:
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
-    args = parser.parse_args(["--role", "prefill", "--max-waiting-requests", "3", "--session-ttl", "5",
-                              "--block-size", "32", "--api-key", "k"])
-    assert (args.role, args.max_waiting_requests, args.session_ttl, args.block_size) == ("prefill", 3, 5.0, 32)
+    args = parser.parse_args(
+        [
+            "--role",
+            "prefill",
+            "--max-waiting-requests",
+            "3",
+            "--session-ttl",
+            "5",
+            "--block-size",
+            "32",
+            "--api-key",
+            "k",
+        ]
+    )
+    assert (args.role, args.max_waiting_requests, args.session_ttl, args.block_size) == (
+        "prefill",
+        3,
+        5.0,
+        32,
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--role", "sideways"])
     s = serve_cli.settings_from_args(args, "/m/x", "x", environ={"TANDEM_API_KEY": "env"})
-    assert (s.api_key, s.role, s.max_waiting_requests, s.served_model_name) == ("k", "prefill", 3, "x")
+    assert (s.api_key, s.role, s.max_waiting_requests, s.served_model_name) == (
+        "k",
+        "prefill",
+        3,
+        "x",
+    )
     args.api_key = None
-    assert serve_cli.settings_from_args(args, "/m/x", "x", environ={"TANDEM_API_KEY": "env"}).api_key == "env"
+    assert (
+        serve_cli.settings_from_args(args, "/m/x", "x", environ={"TANDEM_API_KEY": "env"}).api_key
+        == "env"
+    )
     assert serve_cli.settings_from_args(args, "/m/x", "x", environ={}).api_key is None
     with pytest.raises(ValueError):
         ServerSettings(model_dir="m", served_model_name="n", session_ttl=0)

@@ -1,4 +1,5 @@
 """The block pool, the prefix cache and the KV cache manager, without a model."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,15 @@ from tandem.server.engine.sampling_params import SamplingParams
 
 
 def make_request(tokens: list[int], rid: str = "r", order: int = 0) -> Request:
-    return Request(request_id=rid, prompt_token_ids=tokens, params=SamplingParams(), max_tokens=16,
-                   eos_token_ids=frozenset(), arrival_order=order, group_id=rid)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        params=SamplingParams(),
+        max_tokens=16,
+        eos_token_ids=frozenset(),
+        arrival_order=order,
+        group_id=rid,
+    )
 
 
 def test_allocate_and_free_track_reference_counts() -> None:
@@ -81,7 +89,9 @@ def test_cached_blocks_survive_free_until_reused_then_are_evicted() -> None:
     kv.free(second)
 
     hog = make_request(list(range(100, 120)), "c")
-    assert kv.allocate(hog, 20, kv.find_cached_prefix(hog))  # takes every block: the cache is evicted
+    assert kv.allocate(
+        hog, 20, kv.find_cached_prefix(hog)
+    )  # takes every block: the cache is evicted
     assert kv.stats().cached_blocks == 0
     kv.free(hog)
     kv.pool.check_all_free()

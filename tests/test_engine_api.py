@@ -1,12 +1,19 @@
 """The engine's request-level API: errors, sessions, sleep."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tandem.server.engine import (EngineBusyError, EngineSleepingError, InvalidParamError, LLMEngine,
-                                  PromptTooLongError, SamplingParams)
+from tandem.server.engine import (
+    EngineBusyError,
+    EngineSleepingError,
+    InvalidParamError,
+    LLMEngine,
+    PromptTooLongError,
+    SamplingParams,
+)
 from tandem.server.engine.config import ConfigError, EngineConfig
 
 
@@ -21,7 +28,9 @@ def drain(engine: LLMEngine) -> dict:
 
 @pytest.fixture(scope="module")
 def engine(llama_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, max_model_len=256, max_num_seqs=4))
+    return LLMEngine(
+        EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, max_model_len=256, max_num_seqs=4)
+    )
 
 
 def test_bad_requests_are_refused_with_the_field_named(engine: LLMEngine) -> None:
@@ -39,7 +48,13 @@ def test_bad_requests_are_refused_with_the_field_named(engine: LLMEngine) -> Non
     with pytest.raises(InvalidParamError) as e:
         engine.add_request("many", [5], SamplingParams(n=5))
     assert e.value.param == "n"
-    for kwargs in ({"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0.0}, {"logprobs": 21}, {"top_k": 0}):
+    for kwargs in (
+        {"max_tokens": -1},
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"logprobs": 21},
+        {"top_k": 0},
+    ):
         with pytest.raises(InvalidParamError):
             SamplingParams(**kwargs)
     assert not engine.has_unfinished_requests()

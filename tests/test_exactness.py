@@ -1,4 +1,5 @@
 """Greedy generation equals HuggingFace transformers token for token, in every scheduling regime."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -79,8 +80,13 @@ def test_chunked_prefill_under_a_tiny_token_budget_matches(arch_case) -> None:
     model_dir, _, prompt_ids, expected = arch_case
     budget = 7
     assert max(len(p) for p in prompt_ids) > 3 * budget  # long prompts must be split
-    llm = LLM(str(model_dir), kv_cache_tokens=8192, block_size=4, max_num_batched_tokens=budget,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(model_dir),
+        kv_cache_tokens=8192,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+    )
     _assert_matches(llm.generate(prompt_ids, GREEDY), expected)
 
 

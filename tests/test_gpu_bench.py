@@ -1,4 +1,5 @@
 """bench/gpu.py: the tiny --smoke run works on CPU; the full run refuses clearly without CUDA."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,7 +23,10 @@ def test_workload_is_nano_vllm_shaped(bench) -> None:
     prompts, outputs = bench.workload(256, 151936, 100, 1024, seed=0)
     assert len(prompts) == len(outputs) == 256
     assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in outputs)
-    assert bench.SHAPES["llama-3.1-8b"]["hidden_size"] == 4096 and bench.SHAPES["qwen3-0.6b"]["head_dim"] == 128
+    assert (
+        bench.SHAPES["llama-3.1-8b"]["hidden_size"] == 4096
+        and bench.SHAPES["qwen3-0.6b"]["head_dim"] == 128
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")

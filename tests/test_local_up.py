@@ -1,5 +1,6 @@
 """``tandem up``: the plan it runs (from the operator's own plan()), and the real thing: the proxy and
 a prefill and a decode engine as processes, answering the official ``openai`` client, all stopped by Ctrl-C."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def _spec(tmp_path: Path, **spec) -> str:
-    doc = {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "demo"},
-           "spec": spec}
+    doc = {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "demo"},
+        "spec": spec,
+    }
     path = tmp_path / f"isvc{len(list(tmp_path.glob('isvc*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
@@ -49,28 +54,47 @@ def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) ->
 
 
 def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
-    f = _spec(tmp_path, mode="Disaggregated", model={"name": "m", "uri": str(llama_dir)},
-              engine={"blockSize": 16, "kvCacheTokens": 2048}, prefill={"replicas": 1, "gpus": 0})
+    f = _spec(
+        tmp_path,
+        mode="Disaggregated",
+        model={"name": "m", "uri": str(llama_dir)},
+        engine={"blockSize": 16, "kvCacheTokens": 2048},
+        prefill={"replicas": 1, "gpus": 0},
+    )
     topo = local.load_plan(_args(file=f, prefill=2, decode=3))
     assert [(r.role, r.replicas) for r in topo.engines] == [("prefill", 2), ("decode", 3)]
     assert "--kv-cache-tokens" in topo.engines[0].args and "m" in topo.engines[0].args
     children = local.build_children(topo, 9999, tmp_path, api_key="k", base_env={"PATH": "/bin"})
-    assert [c.role for c in children] == ["proxy", "prefill", "prefill", "decode", "decode", "decode"]
+    assert [c.role for c in children] == [
+        "proxy",
+        "prefill",
+        "prefill",
+        "decode",
+        "decode",
+        "decode",
+    ]
     assert len({c.port for c in children}) == len(children)
     engine = children[1].argv
     assert engine[engine.index("--proxy-url") + 1] == "http://127.0.0.1:9999"
-    assert engine[engine.index("--proxy-api-key") + 1] == "k" and engine[engine.index("--host") + 1] == "127.0.0.1"
+    assert (
+        engine[engine.index("--proxy-api-key") + 1] == "k"
+        and engine[engine.index("--host") + 1] == "127.0.0.1"
+    )
     assert children[0].argv[children[0].argv.index("--api-key") + 1] == "k"
     assert children[1].env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 5))
 
     hf = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
     with pytest.raises(local.UpError, match="does not download"):
         local.load_plan(_args(file=hf))
-    assert local.load_plan(_args(file=hf, model=str(llama_dir))).engines[0].args[2] == str(llama_dir)
+    assert local.load_plan(_args(file=hf, model=str(llama_dir))).engines[0].args[2] == str(
+        llama_dir
+    )
     with pytest.raises(local.UpError, match="PersistentVolumeClaim"):
         local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "pvc://claim/x"})))
     with pytest.raises(local.UpError, match="no model at"):
-        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "/nonexistent/model"})))
+        local.load_plan(
+            _args(file=_spec(tmp_path, model={"name": "m", "uri": "/nonexistent/model"}))
+        )
     agg = _spec(tmp_path, mode="Aggregated", model={"name": "m", "uri": str(llama_dir)})
     assert [r.role for r in local.load_plan(_args(file=agg, decode=2)).engines] == ["both"]
     with pytest.raises(local.UpError, match="Aggregated"):
@@ -85,8 +109,12 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
 
 def test_up_cli_error_exits_2(tmp_path: Path) -> None:
     f = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
-    r = subprocess.run([sys.executable, "-m", "tandem.server.cli", "up", "-f", f], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.server.cli", "up", "-f", f],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "does not download" in r.stderr
 
 
@@ -102,9 +130,26 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
     env = dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
     env.pop("TANDEM_PROXY_API_KEY", None)
     env.pop("TANDEM_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.server.cli", "up", "--port", "0", "--api-key", "sk-up",
-                             "--log-dir", str(tmp_path / "logs"), "--grace", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.server.cli",
+            "up",
+            "--port",
+            "0",
+            "--api-key",
+            "sk-up",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--grace",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 180
@@ -121,14 +166,29 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
         assert len(engine_urls) == 2
         client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tandem-tiny"]
-        r = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=8, temperature=0)
+        r = client.chat.completions.create(
+            model="tandem-tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            temperature=0,
+        )
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
-        text = "".join(c.choices[0].text for c in client.completions.create(
-            model="tandem-tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tandem-tiny",
+                prompt="Once upon a time",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+            if c.choices
+        )
         assert text
         metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
-        assert 'mode="disaggregated"' in metrics  # the default topology really ran prefill -> decode
+        assert (
+            'mode="disaggregated"' in metrics
+        )  # the default topology really ran prefill -> decode
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         proc.send_signal(signal.SIGINT)

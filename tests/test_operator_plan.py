@@ -1,4 +1,5 @@
 """plan(): the topology for both modes, model sources, and argv that the real CLIs accept."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,8 +13,14 @@ from tandem.server.cli import build_parser
 
 def isvc(name: str = "svc", namespace: str = "ml", **spec: Any):
     body = {"model": {"name": "tiny", "uri": "/models/tiny"}, **spec}
-    return load_inference_service({"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
-                                   "metadata": {"name": name, "namespace": namespace}, "spec": body})
+    return load_inference_service(
+        {
+            "apiVersion": "tandem.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": body,
+        }
+    )
 
 
 def parse(args: list[str]):
@@ -23,8 +30,11 @@ def parse(args: list[str]):
 
 def test_disaggregated_has_prefill_decode_and_proxy() -> None:
     topo = plan(isvc(prefill={"replicas": 2, "gpus": 2}, decode={"replicas": 3, "gpus": 4}))
-    assert [(r.role, r.replicas, r.gpus) for r in topo.roles] == \
-        [("prefill", 2, 2), ("decode", 3, 4), ("proxy", 1, 0)]
+    assert [(r.role, r.replicas, r.gpus) for r in topo.roles] == [
+        ("prefill", 2, 2),
+        ("decode", 3, 4),
+        ("proxy", 1, 0),
+    ]
     prefill = parse(topo.role("prefill").args)
     assert (prefill.command, prefill.role, prefill.tensor_parallel_size) == ("serve", "prefill", 2)
     assert (prefill.model, prefill.served_model_name) == ("/models/tiny", "tiny")
@@ -45,22 +55,43 @@ def test_aggregated_has_one_both_pool_and_no_prefill() -> None:
 
 
 def test_engine_spec_becomes_the_engine_flags_tandem_serve_parses() -> None:
-    spec = {"blockSize": 32, "maxModelLen": 4096, "gpuMemoryUtilization": 0.7, "kvCacheTokens": 65536,
-            "maxNumSeqs": 64, "maxNumBatchedTokens": 8192, "dtype": "bfloat16", "attentionBackend": "flashinfer",
-            "enablePrefixCaching": False, "enforceEager": True, "seed": 7, "kvLeaseSeconds": 12.5,
-            "kvPullFallback": "recompute", "extraArgs": ["--max-waiting-requests", "17"],
-            "shutdownTimeoutSeconds": 45}
+    spec = {
+        "blockSize": 32,
+        "maxModelLen": 4096,
+        "gpuMemoryUtilization": 0.7,
+        "kvCacheTokens": 65536,
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 8192,
+        "dtype": "bfloat16",
+        "attentionBackend": "flashinfer",
+        "enablePrefixCaching": False,
+        "enforceEager": True,
+        "seed": 7,
+        "kvLeaseSeconds": 12.5,
+        "kvPullFallback": "recompute",
+        "extraArgs": ["--max-waiting-requests", "17"],
+        "shutdownTimeoutSeconds": 45,
+    }
     topo = plan(isvc(engine=spec))
     args = parse(topo.role("decode").args)
-    assert (args.block_size, args.max_model_len, args.gpu_memory_utilization, args.kv_cache_tokens) == \
-        (32, 4096, 0.7, 65536)
-    assert (args.max_num_seqs, args.max_num_batched_tokens, args.dtype, args.attention_backend) == \
-        (64, 8192, "bfloat16", "flashinfer")
+    assert (
+        args.block_size,
+        args.max_model_len,
+        args.gpu_memory_utilization,
+        args.kv_cache_tokens,
+    ) == (32, 4096, 0.7, 65536)
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.dtype, args.attention_backend) == (
+        64,
+        8192,
+        "bfloat16",
+        "flashinfer",
+    )
     assert (args.enable_prefix_caching, args.enforce_eager, args.seed) == (False, True, 7)
     assert (args.kv_lease_seconds, args.kv_pull_fallback) == (12.5, "recompute")
     assert args.max_waiting_requests == 17 and args.shutdown_timeout == 45.0
     # the EngineConfig the server would build from these flags validates
     from tandem.server.engine.engine_args import engine_config_from_args
+
     config = engine_config_from_args(args, "/models/tiny")
     assert config.block_size == 32 and config.tensor_parallel_size == 1
 
@@ -72,7 +103,9 @@ def test_unset_engine_fields_are_not_passed() -> None:
 
 
 def test_proxy_discovers_only_this_services_engine_pods() -> None:
-    topo = plan(isvc(name="llama", namespace="team-a", proxy={"replicas": 2, "routingPolicy": "least_load"}))
+    topo = plan(
+        isvc(name="llama", namespace="team-a", proxy={"replicas": 2, "routingPolicy": "least_load"})
+    )
     proxy = topo.role("proxy")
     args = parse(proxy.args)
     assert (args.discovery, args.namespace, args.policy) == ("kubernetes", "team-a", "least_load")
@@ -82,15 +115,19 @@ def test_proxy_discovers_only_this_services_engine_pods() -> None:
     assert parse(static.args).discovery == "static"
 
 
-@pytest.mark.parametrize(("uri", "revision", "kind", "path"), [
-    ("hf://Qwen/Qwen3-0.6B", None, "hf", "/models/cache/Qwen/Qwen3-0.6B/main"),
-    ("hf://Qwen/Qwen3-0.6B", "v2", "hf", "/models/cache/Qwen/Qwen3-0.6B/v2"),
-    ("pvc://weights/llama/8b", None, "pvc", "/models/pvc/llama/8b"),
-    ("pvc://weights", None, "pvc", "/models/pvc"),
-    ("/opt/models/tiny", None, "image", "/opt/models/tiny"),
-])
-def test_model_sources_map_to_the_path_the_engine_loads(uri: str, revision: str | None, kind: str,
-                                                        path: str) -> None:
+@pytest.mark.parametrize(
+    ("uri", "revision", "kind", "path"),
+    [
+        ("hf://Qwen/Qwen3-0.6B", None, "hf", "/models/cache/Qwen/Qwen3-0.6B/main"),
+        ("hf://Qwen/Qwen3-0.6B", "v2", "hf", "/models/cache/Qwen/Qwen3-0.6B/v2"),
+        ("pvc://weights/llama/8b", None, "pvc", "/models/pvc/llama/8b"),
+        ("pvc://weights", None, "pvc", "/models/pvc"),
+        ("/opt/models/tiny", None, "image", "/opt/models/tiny"),
+    ],
+)
+def test_model_sources_map_to_the_path_the_engine_loads(
+    uri: str, revision: str | None, kind: str, path: str
+) -> None:
     model = {"name": "m", "uri": uri, **({"revision": revision} if revision else {})}
     topo = plan(isvc(model=model))
     assert (topo.model.kind, topo.model.path) == (kind, path)
@@ -105,7 +142,11 @@ def test_local_model_dir_overrides_the_in_cluster_path() -> None:
 def test_autoscaled_role_starts_at_its_minimum() -> None:
     topo = plan(isvc(decode={"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}))
     decode = topo.role("decode")
-    assert decode.replicas == 2 and decode.autoscaling is not None and decode.autoscaling.max_replicas == 5
+    assert (
+        decode.replicas == 2
+        and decode.autoscaling is not None
+        and decode.autoscaling.max_replicas == 5
+    )
 
 
 def test_engine_env_is_passed_to_engines_only() -> None:

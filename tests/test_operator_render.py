@@ -1,4 +1,5 @@
 """render(): the Kubernetes objects for both modes, and status from children."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -6,17 +7,27 @@ from typing import Any
 from tandem.operator.plan import plan
 from tandem.operator.render import RenderOptions, render
 from tandem.operator.spec import load_inference_service
-from tandem.operator.status import Children, DeploymentSummary, JobSummary, PodSummary, compute_status
+from tandem.operator.status import (
+    Children,
+    DeploymentSummary,
+    JobSummary,
+    PodSummary,
+    compute_status,
+)
 
 UID = "0b5a6e0e-6f5b-4a57-9d55-7a0f4d8f3c11"
 
 
 def isvc(generation: int = 1, **spec: Any):
     body = {"model": {"name": "tiny", "uri": "/models/tiny"}, **spec}
-    return load_inference_service({"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
-                                   "metadata": {"name": "svc", "namespace": "ml", "uid": UID,
-                                                "generation": generation},
-                                   "spec": body})
+    return load_inference_service(
+        {
+            "apiVersion": "tandem.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "svc", "namespace": "ml", "uid": UID, "generation": generation},
+            "spec": body,
+        }
+    )
 
 
 def by_kind_name(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -26,30 +37,56 @@ def by_kind_name(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
 def test_disaggregated_renders_each_role_with_its_service_and_pdb() -> None:
     objs = by_kind_name(render(isvc(prefill={"replicas": 2, "gpus": 2}, decode={"replicas": 3})))
     assert set(objs) == {
-        ("Deployment", "svc-prefill"), ("Service", "svc-prefill"), ("PodDisruptionBudget", "svc-prefill"),
-        ("Deployment", "svc-decode"), ("Service", "svc-decode"), ("PodDisruptionBudget", "svc-decode"),
-        ("Deployment", "svc-proxy"), ("Service", "svc"), ("PodDisruptionBudget", "svc-proxy"),
-        ("ServiceAccount", "svc-proxy"), ("Role", "svc-proxy"), ("RoleBinding", "svc-proxy"),
+        ("Deployment", "svc-prefill"),
+        ("Service", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-prefill"),
+        ("Deployment", "svc-decode"),
+        ("Service", "svc-decode"),
+        ("PodDisruptionBudget", "svc-decode"),
+        ("Deployment", "svc-proxy"),
+        ("Service", "svc"),
+        ("PodDisruptionBudget", "svc-proxy"),
+        ("ServiceAccount", "svc-proxy"),
+        ("Role", "svc-proxy"),
+        ("RoleBinding", "svc-proxy"),
     }
     for obj in objs.values():
         assert obj["metadata"]["namespace"] == "ml"
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService", "name": "svc", "uid": UID,
-            "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "tandem.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": "svc",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         labels = obj["metadata"]["labels"]
-        assert labels["app.kubernetes.io/instance"] == "svc" and labels["tandem.dev/inferenceservice"] == "svc"
+        assert (
+            labels["app.kubernetes.io/instance"] == "svc"
+            and labels["tandem.dev/inferenceservice"] == "svc"
+        )
         assert labels["app.kubernetes.io/managed-by"] == "tandem-operator"
     prefill = objs[("Deployment", "svc-prefill")]
     assert prefill["spec"]["replicas"] == 2
-    assert prefill["spec"]["selector"]["matchLabels"] == {"tandem.dev/inferenceservice": "svc",
-                                                          "tandem.dev/role": "prefill"}
+    assert prefill["spec"]["selector"]["matchLabels"] == {
+        "tandem.dev/inferenceservice": "svc",
+        "tandem.dev/role": "prefill",
+    }
     assert prefill["spec"]["template"]["metadata"]["labels"]["tandem.dev/role"] == "prefill"
     assert objs[("Service", "svc-prefill")]["spec"]["clusterIP"] == "None"  # headless
 
 
 def test_engine_pods_get_gpus_probes_and_a_drain() -> None:
-    objs = by_kind_name(render(isvc(decode={"gpus": 4, "resources": {"requests": {"cpu": "8"}}},
-                                    engine={"shutdownTimeoutSeconds": 120, "startupTimeoutSeconds": 3600})))
+    objs = by_kind_name(
+        render(
+            isvc(
+                decode={"gpus": 4, "resources": {"requests": {"cpu": "8"}}},
+                engine={"shutdownTimeoutSeconds": 120, "startupTimeoutSeconds": 3600},
+            )
+        )
+    )
     pod = objs[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
     engine = pod["containers"][0]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
@@ -59,11 +96,16 @@ def test_engine_pods_get_gpus_probes_and_a_drain() -> None:
     assert args[-4:] == ["--host", "0.0.0.0", "--port", "8000"]
     startup = engine["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # a slow load is not a crash
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"] >= 3600
+    )  # a slow load is not a crash
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "tcpSocket" in engine["livenessProbe"]  # /health is 503 while draining or asleep
     assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
-    assert pod["terminationGracePeriodSeconds"] > 120 + engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert (
+        pod["terminationGracePeriodSeconds"]
+        > 120 + engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    )
     assert args[args.index("--shutdown-timeout") + 1] == "120"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -80,24 +122,41 @@ def test_aggregated_renders_one_engine_pool_and_no_prefill() -> None:
 
 
 def test_proxy_discovers_engines_with_rbac_and_serves_the_endpoint() -> None:
-    objs = by_kind_name(render(isvc(proxy={"apiKeySecret": {"name": "keys"},
-                                           "service": {"type": "LoadBalancer", "port": 80}})))
+    objs = by_kind_name(
+        render(
+            isvc(
+                proxy={
+                    "apiKeySecret": {"name": "keys"},
+                    "service": {"type": "LoadBalancer", "port": 80},
+                }
+            )
+        )
+    )
     proxy = objs[("Deployment", "svc-proxy")]["spec"]["template"]["spec"]
     assert proxy["serviceAccountName"] == "svc-proxy"
     container = proxy["containers"][0]
     args = container["args"]
     assert args[:2] == ["proxy", "--discovery"] and "--selector" in args
     assert args[args.index("--api-key") + 1] == "$(TANDEM_API_KEY)"
-    assert {"name": "TANDEM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}} \
-        in container["env"]
+    assert {
+        "name": "TANDEM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}},
+    } in container["env"]
     role = objs[("Role", "svc-proxy")]
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in role["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]} in role[
+        "rules"
+    ]
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"])
     binding = objs[("RoleBinding", "svc-proxy")]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "svc-proxy", "namespace": "ml"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "svc-proxy", "namespace": "ml"}
+    ]
     service = objs[("Service", "svc")]
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 80
-    assert service["spec"]["selector"] == {"tandem.dev/inferenceservice": "svc", "tandem.dev/role": "proxy"}
+    assert service["spec"]["selector"] == {
+        "tandem.dev/inferenceservice": "svc",
+        "tandem.dev/role": "proxy",
+    }
     # engines' pods carry the model name the proxy's discovery reads
     engine_meta = objs[("Deployment", "svc-decode")]["spec"]["template"]["metadata"]
     assert engine_meta["annotations"]["tandem.dev/served-model-name"] == "tiny"
@@ -109,7 +168,11 @@ def test_autoscaled_role_leaves_replicas_to_its_hpa() -> None:
     assert objs[("Deployment", "svc-prefill")]["spec"]["replicas"] == 1
     hpa = objs[("HorizontalPodAutoscaler", "svc-decode")]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
-    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "svc-decode"}
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "svc-decode",
+    }
 
 
 def test_hf_model_gets_a_cache_pvc_and_a_download_job_before_engines() -> None:
@@ -118,28 +181,48 @@ def test_hf_model_gets_a_cache_pvc_and_a_download_job_before_engines() -> None:
     assert ("PersistentVolumeClaim", "svc-model-cache") in pending
     job = next(o for (k, _), o in pending.items() if k == "Job")
     container = job["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"][-3:] == ["Qwen/Qwen3-0.6B", "main", "/models/cache/Qwen/Qwen3-0.6B/main"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} in container["env"]
-    assert not [n for k, n in pending if k == "Deployment" and n != "svc-proxy"]  # engines wait for the model
+    assert container["command"][-3:] == [
+        "Qwen/Qwen3-0.6B",
+        "main",
+        "/models/cache/Qwen/Qwen3-0.6B/main",
+    ]
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}},
+    } in container["env"]
+    assert not [
+        n for k, n in pending if k == "Deployment" and n != "svc-proxy"
+    ]  # engines wait for the model
     ready = by_kind_name(render(isvc(**spec), RenderOptions(model_ready=True)))
     decode = ready[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
-    assert decode["volumes"][0]["persistentVolumeClaim"] == {"claimName": "svc-model-cache", "readOnly": True}
+    assert decode["volumes"][0]["persistentVolumeClaim"] == {
+        "claimName": "svc-model-cache",
+        "readOnly": True,
+    }
     # a new revision is a new Job (a Job's template is immutable)
     other = render(isvc(model={**spec["model"], "revision": "v2"}))
     assert {o["metadata"]["name"] for o in other if o["kind"] == "Job"} != {job["metadata"]["name"]}
 
 
 def test_existing_cache_claim_is_used_not_created() -> None:
-    objs = by_kind_name(render(isvc(model={"name": "q", "uri": "hf://a/b", "cache": {"claimName": "shared"}})))
+    objs = by_kind_name(
+        render(isvc(model={"name": "q", "uri": "hf://a/b", "cache": {"claimName": "shared"}}))
+    )
     assert not [k for k, _ in objs if k == "PersistentVolumeClaim"]
     job = next(o for (k, _), o in objs.items() if k == "Job")
-    assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "shared"
+    assert (
+        job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+        == "shared"
+    )
 
 
 def test_pvc_model_is_mounted_read_only() -> None:
     objs = by_kind_name(render(isvc(model={"name": "m", "uri": "pvc://weights/llama"})))
     pod = objs[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
-    assert pod["volumes"][0] == {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    assert pod["volumes"][0] == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    }
     assert not [k for k, _ in objs if k in ("Job", "PersistentVolumeClaim")]
 
 
@@ -154,9 +237,19 @@ def test_a_spec_change_changes_the_pod_template_and_nothing_else_does() -> None:
 
 # ---- status ---------------------------------------------------------------------------------
 
-def deployment(role: str, desired: int, ready: int, generation: int = 1, observed: int = 1) -> DeploymentSummary:
-    return DeploymentSummary(role=role, generation=generation, observed_generation=observed, desired=desired,
-                             ready=ready, updated=desired, available=ready)
+
+def deployment(
+    role: str, desired: int, ready: int, generation: int = 1, observed: int = 1
+) -> DeploymentSummary:
+    return DeploymentSummary(
+        role=role,
+        generation=generation,
+        observed_generation=observed,
+        desired=desired,
+        ready=ready,
+        updated=desired,
+        available=ready,
+    )
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -165,11 +258,23 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 def test_status_ready_when_every_role_is_ready() -> None:
     svc = isvc(prefill={"replicas": 2})
-    kids = Children(deployments=[deployment("prefill", 2, 2), deployment("decode", 1, 1), deployment("proxy", 1, 1)])
+    kids = Children(
+        deployments=[
+            deployment("prefill", 2, 2),
+            deployment("decode", 1, 1),
+            deployment("proxy", 1, 1),
+        ]
+    )
     status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
     assert status["phase"] == "Ready" and status["observedGeneration"] == 1
     assert status["url"] == "http://svc.ml.svc.cluster.local:8000/v1"
-    assert status["prefill"] == {"desired": 2, "ready": 2, "updated": 2, "available": 2, "replicas": "2/2"}
+    assert status["prefill"] == {
+        "desired": 2,
+        "ready": 2,
+        "updated": 2,
+        "available": 2,
+        "replicas": "2/2",
+    }
     cond = conditions(status)
     assert cond["Ready"] == ("True", "AllRolesReady")
     assert cond["Progressing"][0] == "False" and cond["Degraded"] == ("False", "AsExpected")
@@ -178,24 +283,46 @@ def test_status_ready_when_every_role_is_ready() -> None:
 
 def test_status_waiting_for_gpus_when_pods_are_unschedulable() -> None:
     svc = isvc()
-    kids = Children(deployments=[deployment("prefill", 1, 1), deployment("decode", 1, 0), deployment("proxy", 1, 1)],
-                    pods=[PodSummary("decode", False, "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")])
+    kids = Children(
+        deployments=[
+            deployment("prefill", 1, 1),
+            deployment("decode", 1, 0),
+            deployment("proxy", 1, 1),
+        ],
+        pods=[
+            PodSummary("decode", False, "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")
+        ],
+    )
     status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
     cond = conditions(status)
     assert cond["Ready"] == ("False", "WaitingForGPUs")
-    assert cond["DecodeReady"] == ("False", "WaitingForGPUs") and cond["Degraded"] == ("True", "WaitingForGPUs")
+    assert cond["DecodeReady"] == ("False", "WaitingForGPUs") and cond["Degraded"] == (
+        "True",
+        "WaitingForGPUs",
+    )
     assert status["phase"] == "Degraded"
 
 
 def test_status_not_ready_until_the_new_generation_is_rolled_out() -> None:
     svc = isvc(generation=2)
-    kids = Children(deployments=[deployment("prefill", 1, 1, generation=2, observed=1),
-                                 deployment("decode", 1, 1), deployment("proxy", 1, 1)])
+    kids = Children(
+        deployments=[
+            deployment("prefill", 1, 1, generation=2, observed=1),
+            deployment("decode", 1, 1),
+            deployment("proxy", 1, 1),
+        ]
+    )
     status = compute_status(svc, plan(svc), kids, observed_generation=2, now="t0")
     assert conditions(status)["Ready"][0] == "False"
     assert conditions(status)["Progressing"] == ("True", "RollingUpdate")
     # the spec was not applied yet: not Ready even if every Deployment looks done
-    done = Children(deployments=[deployment("prefill", 1, 1), deployment("decode", 1, 1), deployment("proxy", 1, 1)])
+    done = Children(
+        deployments=[
+            deployment("prefill", 1, 1),
+            deployment("decode", 1, 1),
+            deployment("proxy", 1, 1),
+        ]
+    )
     assert compute_status(svc, plan(svc), done, observed_generation=1, now="t0")["phase"] != "Ready"
 
 
@@ -203,15 +330,27 @@ def test_status_downloading_then_failed_download_is_degraded() -> None:
     svc = isvc(model={"name": "q", "uri": "hf://a/b"})
     kids = Children(deployments=[deployment("proxy", 1, 1)])
     status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
-    assert status["phase"] == "Downloading" and conditions(status)["DecodeReady"] == ("False", "WaitingForModel")
-    failed = Children(deployments=kids.deployments, jobs=[JobSummary("svc-download-x", succeeded=False, failed=True)])
+    assert status["phase"] == "Downloading" and conditions(status)["DecodeReady"] == (
+        "False",
+        "WaitingForModel",
+    )
+    failed = Children(
+        deployments=kids.deployments,
+        jobs=[JobSummary("svc-download-x", succeeded=False, failed=True)],
+    )
     status = compute_status(svc, plan(svc), failed, observed_generation=1, now="t0")
     assert conditions(status)["Degraded"] == ("True", "DownloadFailed")
 
 
 def test_condition_transition_time_moves_only_on_a_change() -> None:
     svc = isvc()
-    ready = Children(deployments=[deployment("prefill", 1, 1), deployment("decode", 1, 1), deployment("proxy", 1, 1)])
+    ready = Children(
+        deployments=[
+            deployment("prefill", 1, 1),
+            deployment("decode", 1, 1),
+            deployment("proxy", 1, 1),
+        ]
+    )
     first = compute_status(svc, plan(svc), ready, 1, now="t0")
     again = compute_status(svc, plan(svc), ready, 1, now="t1", previous=first)
     assert {c["lastTransitionTime"] for c in again["conditions"]} == {"t0"}

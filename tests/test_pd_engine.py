@@ -1,4 +1,5 @@
 """Prefill/decode disaggregation at the engine level: two engines and the real TCP transport."""
+
 from __future__ import annotations
 
 import time
@@ -37,10 +38,13 @@ def run_pulls(engine: LLMEngine, client: KVTransportClient) -> None:
 
 @pytest.fixture()
 def pd(llama_dir: Path):
-    cfg = EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, block_size=8, kv_lease_seconds=30.0)
+    cfg = EngineConfig(
+        model=str(llama_dir), kv_cache_tokens=2048, block_size=8, kv_lease_seconds=30.0
+    )
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
-    server = KVTransportServer(prefill.kv_cache, prefill.leases.blocks, prefill.release_lease,
-                               layout=prefill.kv_layout).start()
+    server = KVTransportServer(
+        prefill.kv_cache, prefill.leases.blocks, prefill.release_lease, layout=prefill.kv_layout
+    ).start()
     prefill.kv_transfer_address = server.address
     client = KVTransportClient(server.address, timeout_s=5)
     yield prefill, decode, client
@@ -48,7 +52,9 @@ def pd(llama_dir: Path):
     server.close()
 
 
-def prefill_handoff(prefill: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> dict:
+def prefill_handoff(
+    prefill: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> dict:
     prefill.add_request(rid, prompt, params, kv_transfer={"do_remote_decode": True})
     out = drain(prefill, rid)
     assert len(out.token_ids) == 1 and out.kv_transfer_params is not None
@@ -93,7 +99,9 @@ def test_decode_prefix_hits_pull_only_the_missing_tail(pd) -> None:
 
 
 def test_unpulled_lease_expires_and_frees_the_prefill_blocks(llama_dir: Path) -> None:
-    prefill = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=0.2))
+    prefill = LLMEngine(
+        EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=0.2)
+    )
     prefill_handoff(prefill, "p", list(range(5, 40)), GREEDY)
     assert prefill.kv.stats().free_blocks < prefill.kv.stats().total_blocks
     time.sleep(0.3)
@@ -104,8 +112,11 @@ def test_unpulled_lease_expires_and_frees_the_prefill_blocks(llama_dir: Path) ->
 @pytest.mark.parametrize("fallback", ["error", "recompute"])
 def test_failed_pull_frees_decode_blocks(pd, llama_dir: Path, fallback: str) -> None:
     prefill, _, client = pd
-    decode = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=2048, block_size=8,
-                                    kv_pull_fallback=fallback))
+    decode = LLMEngine(
+        EngineConfig(
+            model=str(llama_dir), kv_cache_tokens=2048, block_size=8, kv_pull_fallback=fallback
+        )
+    )
     prompt = list(range(5, 50))
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     prefill.release_lease(handle["remote_lease_id"])
@@ -115,7 +126,9 @@ def test_failed_pull_frees_decode_blocks(pd, llama_dir: Path, fallback: str) -> 
     run_pulls(decode, client)
     out = drain(decode, "d")
     if fallback == "error":
-        assert out.finish_reason == "abort" and "KV transfer" in out.error and "unknown" in out.error
+        assert (
+            out.finish_reason == "abort" and "KV transfer" in out.error and "unknown" in out.error
+        )
     else:
         assert out.error is None and len(out.token_ids) == GREEDY.max_tokens
     decode.kv.pool.check_all_free()

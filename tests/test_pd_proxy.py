@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation through the proxy, all real processes on loopback: greedy output
 through 1 prefill + 1 decode engine equals a single ``both`` engine's token for token, and the
 proxy-level failures (client gone mid-stream, decode killed, prefill killed) leave every block free."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,7 @@ import pytest
 
 from tandem.server.proxy.registration import register_engine
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess, sse_events
+from .api_helpers import ENGINE_FLAGS, ServerProcess, aborted_count, held, sse_events, wait_until
 from .test_proxy_helpers import PROXY_KEY, ProxyProcess, kill, metric_value, stop_all, wait_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,12 +23,21 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
 LEASE_S = 3
 FLAGS = [*ENGINE_FLAGS, "--kv-lease-seconds", str(LEASE_S)]
-PROMPTS = ["The scheduler decides, at every step, which requests run and how many tokens each computes",
-           "Once upon a time",
-           "Paged attention keeps the KV cache in fixed-size blocks so that memory is never fragmented; " * 3]
-CHATS = [[{"role": "user", "content": "Tell me about paged KV caches."}],
-         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why disaggregate?"},
-          {"role": "assistant", "content": "Prefill and decode differ."}, {"role": "user", "content": "How?"}]]
+PROMPTS = [
+    "The scheduler decides, at every step, which requests run and how many tokens each computes",
+    "Once upon a time",
+    "Paged attention keeps the KV cache in fixed-size blocks so that memory is never fragmented; "
+    * 3,
+]
+CHATS = [
+    [{"role": "user", "content": "Tell me about paged KV caches."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Why disaggregate?"},
+        {"role": "assistant", "content": "Prefill and decode differ."},
+        {"role": "user", "content": "How?"},
+    ],
+]
 
 
 def _engine(model: str, role: str, logs, name: str, *extra: str) -> ServerProcess:
@@ -40,8 +50,17 @@ def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
     beside them as the reference."""
     logs = tmp_path_factory.mktemp("pd-proxy")
     p, d, ref = (_engine(str(llama_dir), r, logs, r) for r in ("prefill", "decode", "both"))
-    proxy = ProxyProcess("--node", f"{p.url}=prefill", "--node", f"{d.url}=decode", "--disagg-threshold", "0",
-                         "--health-interval", "0.5", log_path=logs / "proxy.log")
+    proxy = ProxyProcess(
+        "--node",
+        f"{p.url}=prefill",
+        "--node",
+        f"{d.url}=decode",
+        "--disagg-threshold",
+        "0",
+        "--health-interval",
+        "0.5",
+        log_path=logs / "proxy.log",
+    )
     try:
         for e in (p, d, ref):
             e.wait_ready()
@@ -55,7 +74,9 @@ def _client(url: str, key: str = PROXY_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def _complete(client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24) -> tuple[str, str | None]:
+def _complete(
+    client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24
+) -> tuple[str, str | None]:
     kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
     if not stream:
         r = client.completions.create(**kw)
@@ -68,7 +89,9 @@ def _complete(client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int 
     return text, finish
 
 
-def _chat(client: openai.OpenAI, messages: list, stream: bool, max_tokens: int = 24) -> tuple[str, str | None]:
+def _chat(
+    client: openai.OpenAI, messages: list, stream: bool, max_tokens: int = 24
+) -> tuple[str, str | None]:
     kw = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0)
     if not stream:
         r = client.chat.completions.create(**kw)
@@ -85,7 +108,9 @@ def _chat(client: openai.OpenAI, messages: list, stream: bool, max_tokens: int =
 def test_pd_output_equals_single_engine(stack, stream: bool) -> None:
     proxy, p, d, ref = stack
     via, alone = _client(proxy.url), _client(ref.url, "unused")
-    before = metric_value(proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200")
+    before = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
     outputs = set()
     for prompt in PROMPTS:
         got, want = _complete(via, prompt, stream), _complete(alone, prompt, stream=False)
@@ -96,7 +121,9 @@ def test_pd_output_equals_single_engine(stack, stream: bool) -> None:
         assert got == want
         outputs.add(got[0])
     assert len(outputs) == len(PROMPTS) + len(CHATS) and all(outputs)  # varied, non-empty output
-    after = metric_value(proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200")
+    after = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
     assert after - before == len(PROMPTS) + len(CHATS)  # every one went prefill -> decode
     for e in (p, d):
         wait_free(e)  # the decode side released each lease: every block free on both sides
@@ -104,12 +131,23 @@ def test_pd_output_equals_single_engine(stack, stream: bool) -> None:
 
 def test_pd_usage_and_token_ids_are_the_whole_requests(stack) -> None:
     proxy, p, d, ref = stack
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60) as r:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60
+    ) as r:
         assert r.status_code == 200
         events = [json.loads(e) for e in sse_events(list(r.iter_lines())) if e != "[DONE]"]
-    want = httpx.post(ref.url + "/v1/completions", json={**body, "stream": False}, timeout=60).json()
+    want = httpx.post(
+        ref.url + "/v1/completions", json={**body, "stream": False}, timeout=60
+    ).json()
     assert events[-1]["usage"]["completion_tokens"] == 12
     assert events[-1]["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
     assert "".join(c["text"] for e in events for c in e["choices"]) == want["choices"][0]["text"]
@@ -120,23 +158,39 @@ def test_connection_warmup(stack) -> None:
     proxy, p, d, _ = stack
     r = proxy.post("/distserve/connection_warmup")
     assert r.status_code == 200, r.text
-    assert r.json()["connections"] == [{"prefill": p.url, "decode": d.url, "ok": True, "status": 200}]
+    assert r.json()["connections"] == [
+        {"prefill": p.url, "decode": d.url, "ok": True, "status": 200}
+    ]
 
 
 def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
     proxy, p, d, _ = stack
-    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 450, "ignore_eos": True, "temperature": 0,
-            "stream": True}
-    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers,
-                      timeout=60) as r:
+    body = {
+        "model": MODEL,
+        "messages": CHATS[0],
+        "max_tokens": 450,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers, timeout=60
+    ) as r:
         lines = r.iter_lines()
         assert any(next(lines).startswith("data:") for _ in range(6))
     for e in (p, d):
         wait_free(e, timeout=15)
-    # and a client that gives up on a non-streamed request
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(proxy.url + "/v1/chat/completions", json={**body, "stream": False}, headers=proxy.headers,
-                   timeout=0.4)  # well before 450 tokens are done
+    # and a client that gives up on a non-streamed request, held in flight on the decode engine
+    before = aborted_count(p) + aborted_count(d)
+    with held(d):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                proxy.url + "/v1/chat/completions",
+                json={**body, "stream": False},
+                headers=proxy.headers,
+                timeout=0.4,
+            )
+        wait_until(lambda: aborted_count(p) + aborted_count(d) > before, what="an engine aborting")
     for e in (p, d):
         wait_free(e, timeout=15)
 
@@ -148,13 +202,24 @@ def fragile(llama_dir, tmp_path_factory: pytest.TempPathFactory, stack):
     all started at once (loading in parallel): prefill1/decode1 register themselves
     (``--proxy-url``), the others are registered by the tests when they need them."""
     logs = tmp_path_factory.mktemp("pd-fragile")
-    proxy = ProxyProcess("--disagg-threshold", "0", "--health-interval", "30", log_path=logs / "proxy.log")
+    proxy = ProxyProcess(
+        "--disagg-threshold", "0", "--health-interval", "30", log_path=logs / "proxy.log"
+    )
     started: list = [proxy]
     try:
         self_registering = ("--proxy-url", proxy.url, "--proxy-api-key", PROXY_KEY)
-        engines = {name: _engine(str(llama_dir), role, logs, name, *(self_registering if name.endswith("1") else ()))
-                   for name, role in (("prefill1", "prefill"), ("decode1", "decode"), ("prefill2", "prefill"),
-                                      ("decode2", "decode"), ("decode3", "decode"))}
+        engines = {
+            name: _engine(
+                str(llama_dir), role, logs, name, *(self_registering if name.endswith("1") else ())
+            )
+            for name, role in (
+                ("prefill1", "prefill"),
+                ("decode1", "decode"),
+                ("prefill2", "prefill"),
+                ("decode2", "decode"),
+                ("decode3", "decode"),
+            )
+        }
         started += engines.values()
         yield proxy, engines, stack[3]
     finally:
@@ -174,7 +239,9 @@ def test_killed_prefill_engine_is_retried_aggregated(fragile) -> None:
     for e in (p, d):
         e.wait_ready()
     proxy.wait_healthy([p.url, d.url])  # they registered themselves
-    assert proxy.nodes()[p.url]["role_name"] == "prefill" and proxy.nodes()[p.url]["models"] == [MODEL]
+    assert proxy.nodes()[p.url]["role_name"] == "prefill" and proxy.nodes()[p.url]["models"] == [
+        MODEL
+    ]
     via, alone = _client(proxy.url), _client(ref.url, "unused")
     assert _complete(via, PROMPTS[0], False) == _complete(alone, PROMPTS[0], False)
     kill(p)
@@ -182,8 +249,16 @@ def test_killed_prefill_engine_is_retried_aggregated(fragile) -> None:
         assert _chat(via, CHATS[1], stream) == _chat(alone, CHATS[1], False)
     text = proxy.metrics()
     assert metric_value(text, "tandem_proxy_prefill_failures_total") >= 1
-    assert metric_value(text, "tandem_proxy_requests_total", route="chat", mode="aggregated_fallback",
-                        status="200") >= 1
+    assert (
+        metric_value(
+            text,
+            "tandem_proxy_requests_total",
+            route="chat",
+            mode="aggregated_fallback",
+            status="200",
+        )
+        >= 1
+    )
     assert not proxy.nodes()[p.url]["healthy"]
     wait_free(d)
     kill(d)
@@ -195,8 +270,14 @@ def test_killed_decode_engine(fragile) -> None:
     _register(proxy, (p, "prefill"), (d, "decode"))
     via = _client(proxy.url)
     # 1. killed mid-stream: the client gets an error event, not a silently short answer
-    stream = via.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0.0, stream=True,
-                                    extra_body={"ignore_eos": True})
+    stream = via.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=400,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     got = []
     with pytest.raises(openai.APIError, match="failed mid-stream"):
         for chunk in stream:
@@ -220,7 +301,9 @@ def test_killed_decode_engine(fragile) -> None:
         d2.proc.wait()
     wait_free(p, timeout=LEASE_S + 10)  # released by the proxy (or, at worst, on lease expiry)
     # 3. with no decode engine left the proxy refuses clearly rather than hanging
-    proxy.wait_nodes(lambda n: not any(v["healthy"] and v["role_name"] != "prefill" for v in n.values()))
+    proxy.wait_nodes(
+        lambda n: not any(v["healthy"] and v["role_name"] != "prefill" for v in n.values())
+    )
     with pytest.raises(openai.APIStatusError) as exc:
         via.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert exc.value.status_code == 503 and exc.value.body["code"] == "no_engine_available"

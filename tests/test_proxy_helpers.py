@@ -1,13 +1,15 @@
 """Helpers for the proxy, P/D and ``tandem up`` tests (no tests here): a ``tandem proxy`` process
 on loopback, starting several processes at once, and waiting on engine and proxy state."""
+
 from __future__ import annotations
 
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -19,12 +21,25 @@ PROXY_KEY = "sk-proxy-key"
 class ProxyProcess(ChildProcess):
     """``tandem proxy`` in a subprocess."""
 
-    def __init__(self, *extra: str, api_key: str | None = PROXY_KEY, log_path: Path | None = None) -> None:
+    def __init__(
+        self, *extra: str, api_key: str | None = PROXY_KEY, log_path: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "tandem.server.cli", "proxy", "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-level", "warning", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.server.cli",
+            "proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ)
@@ -40,7 +55,9 @@ class ProxyProcess(ChildProcess):
     def nodes(self) -> dict[str, dict]:
         return self.get("/nodes/status").json()
 
-    def wait_nodes(self, predicate: Callable[[dict[str, dict]], bool], timeout: float = 60.0) -> dict[str, dict]:
+    def wait_nodes(
+        self, predicate: Callable[[dict[str, dict]], bool], timeout: float = 60.0
+    ) -> dict[str, dict]:
         deadline = time.monotonic() + timeout
         nodes: dict[str, dict] = {}
         while time.monotonic() < deadline:

@@ -1,11 +1,11 @@
 """The proxy over two aggregated (``both``) engines, all real processes on loopback, driven by the
 official ``openai`` client: passthrough equality, auth, sessions, client disconnects, registration
 and dead-node handling."""
+
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -13,7 +13,15 @@ import pytest
 
 from tandem.server.proxy.registration import deregister_engine, register_engine
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess, free_port, sse_events
+from .api_helpers import (
+    ENGINE_FLAGS,
+    ServerProcess,
+    aborted_count,
+    free_port,
+    held,
+    sse_events,
+    wait_until,
+)
 from .test_proxy_helpers import PROXY_KEY, ProxyProcess, kill, metric_value, stop_all, wait_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,9 +33,20 @@ GREEDY = dict(temperature=0.0)
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("proxy-live")
-    engines = [ServerProcess(str(llama_dir), *ENGINE_FLAGS, log_path=logs / f"engine{i}.log") for i in range(2)]
-    proxy = ProxyProcess(*[a for e in engines for a in ("--node", e.url)], "--health-interval", "0.3",
-                         "--dead-threshold", "2", "--startup-grace", "2", log_path=logs / "proxy.log")
+    engines = [
+        ServerProcess(str(llama_dir), *ENGINE_FLAGS, log_path=logs / f"engine{i}.log")
+        for i in range(2)
+    ]
+    proxy = ProxyProcess(
+        *[a for e in engines for a in ("--node", e.url)],
+        "--health-interval",
+        "0.3",
+        "--dead-threshold",
+        "2",
+        "--startup-grace",
+        "2",
+        log_path=logs / "proxy.log",
+    )
     try:
         for e in engines:
             e.wait_ready()
@@ -46,7 +65,9 @@ def client(stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def direct(stack) -> openai.OpenAI:
     _, engines = stack
-    return openai.OpenAI(base_url=engines[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=engines[0].url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def _strip(event: str) -> object:
@@ -58,7 +79,9 @@ def _strip(event: str) -> object:
     return d
 
 
-def test_openai_client_through_proxy_equals_engine(client: openai.OpenAI, direct: openai.OpenAI) -> None:
+def test_openai_client_through_proxy_equals_engine(
+    client: openai.OpenAI, direct: openai.OpenAI
+) -> None:
     for prompt in ("The quick brown fox", "Once upon a time"):
         a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
         b = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
@@ -66,21 +89,39 @@ def test_openai_client_through_proxy_equals_engine(client: openai.OpenAI, direct
     messages = [{"role": "user", "content": "Say hello"}]
     a = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
     b = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
-    assert a.choices[0].message.content == b.choices[0].message.content and a.choices[0].finish_reason == "length"
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY) if c.choices]
+    assert (
+        a.choices[0].message.content == b.choices[0].message.content
+        and a.choices[0].finish_reason == "length"
+    )
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY
+        )
+        if c.choices
+    ]
     assert "".join(pieces) == b.choices[0].message.content
 
 
 def test_stream_is_passed_through_event_for_event(stack) -> None:
     proxy, engines = stack
-    body = {"model": MODEL, "prompt": "In the beginning", "max_tokens": 64, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **GREEDY}
-    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60) as r:
+    body = {
+        "model": MODEL,
+        "prompt": "In the beginning",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **GREEDY,
+    }
+    with httpx.stream(
+        "POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         via_proxy = sse_events(list(r.iter_lines()))
     with httpx.stream("POST", engines[0].url + "/v1/completions", json=body, timeout=60) as r:
         direct = sse_events(list(r.iter_lines()))
+
     # Chunk boundaries depend on timing (the engine coalesces when its reader lags): compare the
     # text, the finish and the usage event, and that the stream came in pieces.
     def summary(events: list[str]) -> tuple:
@@ -107,19 +148,33 @@ def test_models_health_auth_and_errors(stack, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):  # the engine's own 400 comes through
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-3)
     text = proxy.metrics()
-    assert metric_value(text, "tandem_proxy_requests_total", route="completions", mode="direct", status="200") >= 2
+    assert (
+        metric_value(
+            text, "tandem_proxy_requests_total", route="completions", mode="direct", status="200"
+        )
+        >= 2
+    )
 
 
 def test_sessions_stick_to_one_engine(stack, client: openai.OpenAI) -> None:
     proxy, engines = stack
     sessions = [f"sess-{i}" for i in range(4)]
-    history = {s: [{"role": "user", "content": f"Hello number {i}"}] for i, s in enumerate(sessions)}
+    history = {
+        s: [{"role": "user", "content": f"Hello number {i}"}] for i, s in enumerate(sessions)
+    }
     for _turn in range(3):
         for s in sessions:
-            r = client.chat.completions.create(model=MODEL, messages=history[s], max_tokens=6,
-                                               extra_body={"session_id": s}, **GREEDY)
-            history[s] += [{"role": "assistant", "content": r.choices[0].message.content},
-                           {"role": "user", "content": "and then?"}]
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=history[s],
+                max_tokens=6,
+                extra_body={"session_id": s},
+                **GREEDY,
+            )
+            history[s] += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "and then?"},
+            ]
     held = [e.health()["active_sessions"] for e in engines]
     assert sum(held) == len(sessions), held  # each session lives on exactly one engine
     for s in sessions:
@@ -133,20 +188,36 @@ def test_sessions_stick_to_one_engine(stack, client: openai.OpenAI) -> None:
 
 def test_client_disconnects_abort_on_the_engine(stack) -> None:
     proxy, engines = stack
-    body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 450, "ignore_eos": True,
-            "stream": True, **GREEDY}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story",
+        "max_tokens": 450,
+        "ignore_eos": True,
+        "stream": True,
+        **GREEDY,
+    }
     for _ in range(2):
-        with httpx.stream("POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60) as r:
+        with httpx.stream(
+            "POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60
+        ) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(4)]
             assert any(line.startswith("data:") for line in got)
         # left mid-stream: the engine must abort and free everything
     for e in engines:
         wait_free(e)
-    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
-        httpx.post(proxy.url + "/v1/completions", json={**body, "stream": False}, headers=proxy.headers,
-                   timeout=0.4)
-    time.sleep(0.5)
+    before = sum(aborted_count(e) for e in engines)
+    with held(*engines):  # a non-streamed request, held in flight, whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                proxy.url + "/v1/completions",
+                json={**body, "stream": False},
+                headers=proxy.headers,
+                timeout=0.4,
+            )
+        wait_until(
+            lambda: sum(aborted_count(e) for e in engines) > before, what="an engine aborting"
+        )
     for e in engines:
         wait_free(e)
     assert metric_value(proxy.metrics(), "tandem_proxy_client_disconnects_total") >= 1
@@ -155,7 +226,9 @@ def test_client_disconnects_abort_on_the_engine(stack) -> None:
 def test_registration_and_dead_registered_node_is_dropped(stack) -> None:
     proxy, _ = stack
     ghost = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    asyncio.run(register_engine(proxy.url, ghost, "decode", ["tiny"], api_key=PROXY_KEY, attempts=1))
+    asyncio.run(
+        register_engine(proxy.url, ghost, "decode", ["tiny"], api_key=PROXY_KEY, attempts=1)
+    )
     assert proxy.nodes()[ghost]["role_name"] == "decode"
     asyncio.run(deregister_engine(proxy.url, ghost, api_key=PROXY_KEY))
     assert ghost not in proxy.nodes()
@@ -163,7 +236,9 @@ def test_registration_and_dead_registered_node_is_dropped(stack) -> None:
     # never healthy: kept through the startup grace (2 s), then dropped after 2 failed polls
     proxy.wait_nodes(lambda n: ghost not in n, timeout=20)
     with pytest.raises(RuntimeError, match="refused"):  # a wrong key is refused, not retried
-        asyncio.run(register_engine(proxy.url, ghost, "decode", ["tiny"], api_key="wrong", attempts=3))
+        asyncio.run(
+            register_engine(proxy.url, ghost, "decode", ["tiny"], api_key="wrong", attempts=3)
+        )
 
 
 def test_killed_engine_is_routed_around(stack, client: openai.OpenAI) -> None:

@@ -1,5 +1,6 @@
 """The proxy's pure pieces without servers: routing, the registry, discovery, the P/D flow's
 request rewriting, and the app's own answers (auth, validation, no engines) in process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,17 +14,29 @@ from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
 from tandem.server.proxy.pd_flow import _finished_by_prefill, _stream_of, prefill_request
 from tandem.server.proxy.registration import node_body
-from tandem.server.proxy.registry import DECODE_ROLES, PREFILL_ROLES, Registry, normalize_url, parse_role
+from tandem.server.proxy.registry import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    Registry,
+    normalize_url,
+    parse_role,
+)
 
 
 # ----- routing ---------------------------------------------------------------------------------
 def test_prompt_text_and_estimate() -> None:
-    chat = {"messages": [{"role": "system", "content": "be terse"},
-                         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be terse"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
+        ]
+    }
     assert routing.prompt_text("chat", chat) == "<system>be terse\n<user>hi"
     assert routing.estimate_tokens("chat", chat) == len("<system>be terse\n<user>hi") // 4 + 2 * 4
     assert routing.estimate_tokens("completions", {"prompt": "x" * 400}) == 100
-    assert routing.estimate_tokens("completions", {"prompt": [1, 2, 3, 4, 5]}) == 5  # token ids: exact
+    assert (
+        routing.estimate_tokens("completions", {"prompt": [1, 2, 3, 4, 5]}) == 5
+    )  # token ids: exact
     assert routing.prompt_text("completions", {"prompt": ["first", "second"]}) == "first"
 
 
@@ -66,7 +79,9 @@ def test_score_trades_affinity_against_load() -> None:
     cold_idle = routing.Candidate("cold", load=0, cached_tokens=0)
     warm_busy = routing.Candidate("warm", load=2, cached_tokens=100)
     warm_swamped = routing.Candidate("swamped", load=8, cached_tokens=100)
-    assert routing.pick([cold_idle, warm_busy], 100).url == "warm"  # a full hit beats 2 queued requests
+    assert (
+        routing.pick([cold_idle, warm_busy], 100).url == "warm"
+    )  # a full hit beats 2 queued requests
     assert routing.pick([cold_idle, warm_swamped], 100).url == "cold"  # not 8
     assert routing.pick([warm_busy, cold_idle], 0).url == "cold"  # no prompt: load alone decides
     assert routing.pick([], 10) is None
@@ -90,16 +105,31 @@ def test_disaggregatable() -> None:
     assert routing.disaggregatable("chat", {"n": 2}) == "n > 1"
     assert routing.disaggregatable("chat", {"logprobs": True, "top_logprobs": 2}) == "logprobs"
     assert routing.disaggregatable("completions", {"prompt": ["a", "b"]}) == "several prompts"
-    assert routing.disaggregatable("completions", {"prompt": [1, 2, 3]}) is None  # token ids, one prompt
-    assert routing.disaggregatable("completions", {"prompt": "a", "max_tokens": 1}) == "max_tokens is 1"
+    assert (
+        routing.disaggregatable("completions", {"prompt": [1, 2, 3]}) is None
+    )  # token ids, one prompt
+    assert (
+        routing.disaggregatable("completions", {"prompt": "a", "max_tokens": 1})
+        == "max_tokens is 1"
+    )
     assert routing.disaggregatable("chat", {"max_completion_tokens": 1}) == "max_tokens is 1"
 
 
 # ----- registry --------------------------------------------------------------------------------
 def test_parse_role_and_url() -> None:
-    assert [parse_role(v) for v in (1, 2, 3, "2", None)] == ["both", "prefill", "decode", "prefill", "both"]
-    assert [parse_role(v) for v in ("Hybrid", "PREFILL", "EngineRole.Decode", "both")] == \
-        ["both", "prefill", "decode", "both"]
+    assert [parse_role(v) for v in (1, 2, 3, "2", None)] == [
+        "both",
+        "prefill",
+        "decode",
+        "prefill",
+        "both",
+    ]
+    assert [parse_role(v) for v in ("Hybrid", "PREFILL", "EngineRole.Decode", "both")] == [
+        "both",
+        "prefill",
+        "decode",
+        "both",
+    ]
     for bad in (0, 4, "middle", True, 1.5):
         with pytest.raises(ValueError):
             parse_role(bad)
@@ -124,8 +154,13 @@ def test_registry_health_and_dead_nodes() -> None:
     d = reg.add("http://127.0.0.1:2", "decode", ["m"])
     s = reg.add("http://127.0.0.1:3", "both", None, source="static")
     assert reg.routable(DECODE_ROLES) == []  # not healthy until a probe says so
-    ok = {"status": "ok", "pending_requests": 3, "active_requests": 1, "role": "decode",
-          "block_pool": {"free_blocks": 7, "total_blocks": 8}}
+    ok = {
+        "status": "ok",
+        "pending_requests": 3,
+        "active_requests": 1,
+        "role": "decode",
+        "block_pool": {"free_blocks": 7, "total_blocks": 8},
+    }
     for n in (p, d, s):
         reg.record_health(n.url, 200, {**ok, "role": n.role})
     assert [n.url for n in reg.routable(DECODE_ROLES)] == [d.url, s.url]
@@ -164,17 +199,31 @@ def test_registry_readd_updates_role_keeps_counters() -> None:
 
 
 # ----- discovery -------------------------------------------------------------------------------
-def _pod(name: str, ip: str | None = "10.0.0.5", ready: bool = True, role: str | None = "decode",
-         port: int | None = 8123, deleting: bool = False) -> dict:
+def _pod(
+    name: str,
+    ip: str | None = "10.0.0.5",
+    ready: bool = True,
+    role: str | None = "decode",
+    port: int | None = 8123,
+    deleting: bool = False,
+) -> dict:
     meta: dict = {"name": name, "namespace": "ns", "uid": f"uid-{name}", "labels": {}}
     if role:
         meta["labels"]["tandem.dev/role"] = role
     if deleting:
         meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
-    ports = [{"name": "metrics", "containerPort": 9000}] + ([{"name": "http", "containerPort": port}] if port else [])
-    return {"metadata": meta, "spec": {"containers": [{"name": "engine", "ports": ports}]},
-            "status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    ports = [{"name": "metrics", "containerPort": 9000}] + (
+        [{"name": "http", "containerPort": port}] if port else []
+    )
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"name": "engine", "ports": ports}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 def test_pod_node() -> None:
@@ -195,7 +244,10 @@ def test_pod_tracker() -> None:
     assert len(reg) == 0
     t.apply("MODIFIED", _pod("a"))
     t.apply("ADDED", _pod("b", ip="10.0.0.6", role="prefill"))
-    assert {n.url: n.role for n in reg.nodes()} == {"http://10.0.0.5:8123": "decode", "http://10.0.0.6:8123": "prefill"}
+    assert {n.url: n.role for n in reg.nodes()} == {
+        "http://10.0.0.5:8123": "decode",
+        "http://10.0.0.6:8123": "prefill",
+    }
     assert all(n.source == "kubernetes" for n in reg.nodes())
     t.apply("MODIFIED", _pod("a", ready=False))  # not ready: dropped at once
     assert [n.url for n in reg.nodes()] == ["http://10.0.0.6:8123"]
@@ -234,11 +286,23 @@ def test_parse_node_flag() -> None:
 
 # ----- the P/D flow's rewriting -------------------------------------------------------------------
 def test_prefill_request() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 50, "temperature": 0}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 50,
+        "temperature": 0,
+    }
     p = prefill_request(body)
-    assert p == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False, "max_tokens": 1,
-                 "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    assert p == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert body["stream"] is True and "kv_transfer_params" not in body  # the original is untouched
 
 
@@ -247,20 +311,32 @@ def _body_events(resp) -> list:
         return b"".join([c async for c in resp.body_iterator])
 
     raw = asyncio.run(read()).decode()
-    return [e[len("data: "):] for e in raw.split("\n\n") if e]
+    return [e[len("data: ") :] for e in raw.split("\n\n") if e]
 
 
 def test_finished_by_prefill_streams_as_sse() -> None:
-    chat = {"id": "c1", "created": 5, "model": "m", "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "!"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    chat = {
+        "id": "c1",
+        "created": 5,
+        "model": "m",
+        "object": "chat.completion",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "!"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
     assert _finished_by_prefill(chat)
     assert not _finished_by_prefill({"choices": [{"finish_reason": "length"}]})
     events = _body_events(_stream_of("chat", chat, {"stream_options": {"include_usage": True}}))
     assert events[-1] == "[DONE]"
     first, second, usage = (json.loads(e) for e in events[:-1])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert second["choices"][0] == {"index": 0, "delta": {"content": "!"}, "logprobs": None, "finish_reason": "stop"}
+    assert second["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "!"},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     assert usage["usage"]["total_tokens"] == 4 and usage["object"] == "chat.completion.chunk"
     comp = {"id": "x", "model": "m", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
     events = _body_events(_stream_of("completions", comp, {}))
@@ -268,14 +344,19 @@ def test_finished_by_prefill_streams_as_sse() -> None:
 
 
 def test_registration_body_is_lmdeploys() -> None:
-    assert node_body("http://e:1/", "prefill", ["m"]) == {"url": "http://e:1", "status": {"models": ["m"], "role": 2}}
+    assert node_body("http://e:1/", "prefill", ["m"]) == {
+        "url": "http://e:1",
+        "status": {"models": ["m"], "role": 2},
+    }
     assert node_body("http://e:1", 1, [])["status"]["role"] == 1
 
 
 # ----- the app in process (no engines) -------------------------------------------------------------
 def _call(app, method: str, path: str, **kw) -> httpx.Response:
     async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        ) as c:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
@@ -286,7 +367,13 @@ def test_app_auth_validation_and_no_engines() -> None:
     auth = {"Authorization": "Bearer k"}
     r = _call(app, "POST", "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = _call(app, "POST", "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    r = _call(
+        app,
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x"},
+        headers={"Authorization": "Bearer nope"},
+    )
     assert r.status_code == 401
     assert _call(app, "GET", "/health").status_code == 503  # open, and no engine yet
     assert _call(app, "GET", "/metrics").status_code == 200
@@ -298,7 +385,13 @@ def test_app_auth_validation_and_no_engines() -> None:
     assert r.status_code == 400
     r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "url"
-    r = _call(app, "POST", "/nodes/add", json={"url": "http://127.0.0.1:9", "status": {"role": 7}}, headers=auth)
+    r = _call(
+        app,
+        "POST",
+        "/nodes/add",
+        json={"url": "http://127.0.0.1:9", "status": {"role": 7}},
+        headers=auth,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "status.role"
     r = _call(app, "GET", "/nope", headers=auth)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -307,14 +400,28 @@ def test_app_auth_validation_and_no_engines() -> None:
 def test_app_node_routes_in_process() -> None:
     app = build_app(ProxySettings(static_nodes=[("http://127.0.0.1:9", "prefill")]))
     # port 9 (discard) is closed on loopback: the probe fails fast and the node stays unhealthy
-    r = _call(app, "POST", "/nodes/add", json={"url": "127.0.0.1:10", "status": {"models": ["m"], "role": 3}})
-    assert r.status_code == 200 and r.json() == {"url": "http://127.0.0.1:10", "role": 3, "role_name": "decode",
-                                                 "healthy": False}
+    r = _call(
+        app,
+        "POST",
+        "/nodes/add",
+        json={"url": "127.0.0.1:10", "status": {"models": ["m"], "role": 3}},
+    )
+    assert r.status_code == 200 and r.json() == {
+        "url": "http://127.0.0.1:10",
+        "role": 3,
+        "role_name": "decode",
+        "healthy": False,
+    }
     status = _call(app, "GET", "/nodes/status").json()
-    assert status["http://127.0.0.1:9"]["role_name"] == "prefill" and status["http://127.0.0.1:9"]["source"] == "static"
+    assert (
+        status["http://127.0.0.1:9"]["role_name"] == "prefill"
+        and status["http://127.0.0.1:9"]["source"] == "static"
+    )
     assert status["http://127.0.0.1:10"]["models"] == ["m"]
     r = _call(app, "POST", "/v1/completions", json={"model": "other", "prompt": "x"})
-    assert r.status_code == 503  # the static node lists no models: it might serve "other" once healthy
+    assert (
+        r.status_code == 503
+    )  # the static node lists no models: it might serve "other" once healthy
     r = _call(app, "POST", "/nodes/remove", json={"url": "http://127.0.0.1:9"})
     assert r.json() == {"url": "http://127.0.0.1:9", "removed": True}
     assert list(_call(app, "GET", "/nodes/status").json()) == ["http://127.0.0.1:10"]

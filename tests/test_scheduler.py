@@ -1,4 +1,5 @@
 """Scheduling decisions, without a model: budgets, chunks, admission, preemption, abort."""
+
 from __future__ import annotations
 
 from tandem.server.engine.kv_cache_manager import KVCacheManager
@@ -63,14 +64,19 @@ def test_newest_request_is_preempted_and_recomputed_later() -> None:
     for _ in range(2):
         run_step(s)  # decodes grow into second blocks
     assert new.num_preemptions == 1 and old.num_preemptions == 0
-    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and not new.block_ids
+    assert (
+        new.status is RequestStatus.WAITING and new.num_computed_tokens == 0 and not new.block_ids
+    )
     assert s.waiting[0] is new
 
 
 def test_abort_frees_blocks_at_once_wherever_the_request_is() -> None:
     kv = KVCacheManager(16, 4, True)
     s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=6)
-    running, waiting = make_request(list(range(20)), "run", 0), make_request(list(range(9)), "wait", 1)
+    running, waiting = (
+        make_request(list(range(20)), "run", 0),
+        make_request(list(range(9)), "wait", 1),
+    )
     s.add(running)
     s.add(waiting)
     run_step(s)  # "run" is mid-prefill, "wait" not admitted (budget)

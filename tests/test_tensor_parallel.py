@@ -4,6 +4,7 @@ The tiny models have 4 query heads and 2 KV heads, so each rank holds 2 and 1; Q
 sharded q/k/v biases and Qwen3 per-head q/k norms. The second rank is a spawned process: it
 must be gone after every test, passed or failed.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,9 @@ from tandem.server.engine.parallel import TensorParallel, TensorParallelError
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
 PROMPTS = [[5, 17, 99, 300, 41], list(range(40, 90)), [7, 8] * 15]
-ENGINE = dict(device="cpu", kv_cache_tokens=2048, max_num_batched_tokens=32)  # 32: chunked prefill too
+ENGINE = dict(
+    device="cpu", kv_cache_tokens=2048, max_num_batched_tokens=32
+)  # 32: chunked prefill too
 
 
 @pytest.fixture
@@ -67,16 +70,24 @@ def test_shards_split_heads_and_rows(tiny_models) -> None:
         part = load_model(d, torch.float32, torch.device("cpu"), TensorParallel(rank=rank, size=2))
         fa, pa = full.model.layers[0].self_attn, part.model.layers[0].self_attn
         w = fa.qkv_proj.weight
-        want = torch.cat([w[:q].chunk(2)[rank], w[q:q + kv].chunk(2)[rank], w[q + kv:].chunk(2)[rank]])
+        want = torch.cat(
+            [w[:q].chunk(2)[rank], w[q : q + kv].chunk(2)[rank], w[q + kv :].chunk(2)[rank]]
+        )
         assert torch.equal(pa.qkv_proj.weight, want)
         b = fa.qkv_proj.bias
-        assert torch.equal(pa.qkv_proj.bias,
-                           torch.cat([b[:q].chunk(2)[rank], b[q:q + kv].chunk(2)[rank], b[q + kv:].chunk(2)[rank]]))
+        assert torch.equal(
+            pa.qkv_proj.bias,
+            torch.cat(
+                [b[:q].chunk(2)[rank], b[q : q + kv].chunk(2)[rank], b[q + kv :].chunk(2)[rank]]
+            ),
+        )
         assert torch.equal(pa.o_proj.weight, fa.o_proj.weight.chunk(2, dim=1)[rank])
         fm, pm = full.model.layers[0].mlp, part.model.layers[0].mlp
         i = cfg.intermediate_size
         gu = fm.gate_up_proj.weight
-        assert torch.equal(pm.gate_up_proj.weight, torch.cat([gu[:i].chunk(2)[rank], gu[i:].chunk(2)[rank]]))
+        assert torch.equal(
+            pm.gate_up_proj.weight, torch.cat([gu[:i].chunk(2)[rank], gu[i:].chunk(2)[rank]])
+        )
         assert torch.equal(pm.down_proj.weight, fm.down_proj.weight.chunk(2, dim=1)[rank])
         assert torch.equal(part.lm_head.weight, full.lm_head.weight)  # replicated
 

@@ -1,4 +1,5 @@
 """A random workload with aborts, n > 1, sessions and stop strings leaks no block and frees none twice."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,15 @@ from tandem.server.engine.sampler import sample
 
 
 def test_random_workload_with_aborts_returns_every_block(llama_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=256, block_size=8, max_num_seqs=12,
-                                    max_num_batched_tokens=48))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(llama_dir),
+            kv_cache_tokens=256,
+            block_size=8,
+            max_num_seqs=12,
+            max_num_batched_tokens=48,
+        )
+    )
     rng = random.Random(7)
     vocab = engine.model_config.vocab_size
     shared = [rng.randrange(3, vocab) for _ in range(40)]
@@ -20,10 +28,15 @@ def test_random_workload_with_aborts_returns_every_block(llama_dir: Path) -> Non
     for step in range(400):
         if step < 300 and rng.random() < 0.6:
             rid = f"r{step}"
-            prefix = shared[:rng.randrange(0, 40)]
+            prefix = shared[: rng.randrange(0, 40)]
             prompt = prefix + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 60))]
-            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randrange(1, 40),
-                                    n=rng.choice([1, 1, 2, 3]), seed=rng.randrange(100), stop=["ab"])
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                max_tokens=rng.randrange(1, 40),
+                n=rng.choice([1, 1, 2, 3]),
+                seed=rng.randrange(100),
+                stop=["ab"],
+            )
             engine.add_request(rid, prompt, params, stream=rng.random() < 0.5)
             live.append(rid)
         if live and rng.random() < 0.15:
@@ -44,7 +57,9 @@ def test_random_workload_with_aborts_returns_every_block(llama_dir: Path) -> Non
 def test_n_siblings_share_the_prompt_blocks(llama_dir: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=4096, block_size=4))
     prompt = list(range(5, 45))  # 40 tokens: 9 full blocks shared after the fork
-    engine.add_request("g", prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "g", prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    )
     shared_refs = []
     outs = []
     while engine.has_unfinished_requests():
@@ -60,13 +75,18 @@ def test_n_siblings_share_the_prompt_blocks(llama_dir: Path) -> None:
 
 def test_sampling_with_a_seed_does_not_depend_on_batch_mates(llama_dir: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=4096))
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True
+    )
 
     def run(extra: int) -> list[int]:
         engine.add_request("target", "The cache", params)
         for i in range(extra):
-            engine.add_request(f"mate{extra}-{i}", f"noise {i} " * (i + 1), SamplingParams(temperature=1.0,
-                               max_tokens=25, ignore_eos=True))
+            engine.add_request(
+                f"mate{extra}-{i}",
+                f"noise {i} " * (i + 1),
+                SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True),
+            )
         result = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -90,8 +110,12 @@ def test_sampler_filters_keep_draws_inside_the_allowed_set(llama_dir: Path) -> N
     from .test_block_pool import make_request
 
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]] * 1)
-    cases = [(dict(top_k=2), {0, 1}), (dict(top_p=0.75), {0, 1}), (dict(min_p=0.3), {0, 1}),
-             (dict(top_k=1), {0})]
+    cases = [
+        (dict(top_k=2), {0, 1}),
+        (dict(top_p=0.75), {0, 1}),
+        (dict(min_p=0.3), {0, 1}),
+        (dict(top_k=1), {0}),
+    ]
     for kwargs, allowed in cases:
         seen = set()
         for seed in range(200):
@@ -131,6 +155,8 @@ def test_repetition_penalty_matches_transformers(llama_dir: Path) -> None:
 
     llm = LLM(str(llama_dir), kv_cache_tokens=4096)
     ids = llm.tokenizer.encode("The cat sat on the mat. The dog chased the ball.")
-    out = llm.generate([ids], SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=24,
-                                              ignore_eos=True))[0]
+    out = llm.generate(
+        [ids],
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=24, ignore_eos=True),
+    )[0]
     assert out.token_ids == hf_greedy(llama_dir, ids, 24, repetition_penalty=1.5)[0]

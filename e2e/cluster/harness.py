@@ -17,9 +17,10 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from e2e.cluster import pki, procs
 from e2e.cluster.api import Api, ApiError
@@ -68,15 +69,25 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _write_kubeconfig(path: Path, server: str, ca: pki.CertPair, client: pki.CertPair, user: str) -> None:
+def _write_kubeconfig(
+    path: Path, server: str, ca: pki.CertPair, client: pki.CertPair, user: str
+) -> None:
     """kubeconfig referencing the PEM files (JSON is valid kubeconfig YAML)."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "tandem-e2e", "cluster": {
-            "server": server, "certificate-authority": str(ca.cert)}}],
-        "users": [{"name": user, "user": {
-            "client-certificate": str(client.cert), "client-key": str(client.key)}}],
+        "clusters": [
+            {
+                "name": "tandem-e2e",
+                "cluster": {"server": server, "certificate-authority": str(ca.cert)},
+            }
+        ],
+        "users": [
+            {
+                "name": user,
+                "user": {"client-certificate": str(client.cert), "client-key": str(client.key)},
+            }
+        ],
         "contexts": [{"name": "tandem-e2e", "context": {"cluster": "tandem-e2e", "user": user}}],
         "current-context": "tandem-e2e",
     }
@@ -106,8 +117,13 @@ class Cluster:
     in the same state dir (that is how `python -m e2e.cluster down` works).
     """
 
-    def __init__(self, state_dir: Path, bin_dir: Path | None = None,
-                 nodes: NodeShape = NodeShape(), tie_to_parent: bool = True) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        bin_dir: Path | None = None,
+        nodes: NodeShape = NodeShape(),
+        tie_to_parent: bool = True,
+    ) -> None:
         self.state_dir = state_dir.resolve()
         self.bin_dir = (bin_dir or default_bin_dir()).resolve()
         self.nodes = nodes
@@ -139,13 +155,15 @@ class Cluster:
         )
         return env
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster; raises CalledProcessError (with stderr) if check."""
         return self._tool("kubectl", args, input, check, timeout)
 
-    def helm(self, *args: str, input: str | None = None, check: bool = True,
-             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
         """Run helm against this cluster."""
         return self._tool("helm", args, input, check, timeout)
 
@@ -177,8 +195,11 @@ class Cluster:
         error propagates, so a failed start leaks nothing.
         """
         began = time.monotonic()
-        missing = [n for n in ("etcd", "kube-apiserver", "kube-controller-manager",
-                               "kube-scheduler", "kwok") if not (self.bin_dir / n).exists()]
+        missing = [
+            n
+            for n in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+            if not (self.bin_dir / n).exists()
+        ]
         if missing:
             raise ClusterError(f"missing binaries in {self.bin_dir}: {missing}; run e2e/setup.sh")
         if any(p.alive() for p in procs.recorded(self.state_dir, self.bin_dir)):
@@ -217,10 +238,20 @@ class Cluster:
         certs = pki.generate(self.state_dir / "pki")
         server = f"https://127.0.0.1:{self.ports.apiserver}"
         _write_kubeconfig(self.kubeconfig, server, certs.ca, certs.admin, "admin")
-        _write_kubeconfig(self.state_dir / "controller-manager.kubeconfig", server, certs.ca,
-                          certs.controller_manager, "system:kube-controller-manager")
-        _write_kubeconfig(self.state_dir / "scheduler.kubeconfig", server, certs.ca,
-                          certs.scheduler, "system:kube-scheduler")
+        _write_kubeconfig(
+            self.state_dir / "controller-manager.kubeconfig",
+            server,
+            certs.ca,
+            certs.controller_manager,
+            "system:kube-controller-manager",
+        )
+        _write_kubeconfig(
+            self.state_dir / "scheduler.kubeconfig",
+            server,
+            certs.ca,
+            certs.scheduler,
+            "system:kube-scheduler",
+        )
         self._api = Api(server, certs.ca, certs.admin)
 
         self._start("etcd", self._etcd_args())
@@ -232,24 +263,32 @@ class Cluster:
         self._start("kwok", self._kwok_args())
         self._register_nodes()
         self._wait("fake GPU nodes to be Ready (kwok)", self._nodes_ready, deadline, began)
-        self._wait("controller-manager and scheduler leases", self._leaders_elected, deadline, began)
-        self._wait("the default ServiceAccount (controller-manager)", self._default_sa, deadline, began)
+        self._wait(
+            "controller-manager and scheduler leases", self._leaders_elected, deadline, began
+        )
+        self._wait(
+            "the default ServiceAccount (controller-manager)", self._default_sa, deadline, began
+        )
 
     def _start(self, name: str, args: list[str]) -> None:
         proc = procs.spawn(name, self.bin_dir / name, args, self.state_dir, self._tie_to_parent)
         self._procs.append(proc)
         self._save_state()
 
-    def _wait(self, what: str, check: Callable[[], bool], deadline: float,
-              began: float | None = None) -> None:
+    def _wait(
+        self, what: str, check: Callable[[], bool], deadline: float, began: float | None = None
+    ) -> None:
         """wait_for, but fail fast with the log tail if one of our processes died."""
+
         def guarded() -> bool:
             for proc in self._procs:
                 if not proc.alive():
                     raise ClusterError(
                         f"{proc.name} exited while waiting for {what}; "
-                        f"log {proc.log}:\n{proc.log_tail()}")
+                        f"log {proc.log}:\n{proc.log_tail()}"
+                    )
             return check()
+
         wait_for(what, guarded, timeout=max(1.0, deadline - time.monotonic()))
         if began is not None:
             self.phases[what] = round(time.monotonic() - began, 2)
@@ -261,8 +300,10 @@ class Cluster:
         return [
             "--name=default",
             f"--data-dir={self.state_dir / 'etcd'}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=default={peer}",
             "--unsafe-no-fsync=true",  # test data is throwaway; fsync dominates latency
             "--log-level=warn",
@@ -272,10 +313,12 @@ class Cluster:
         assert self.ports is not None
         return [
             f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
             f"--secure-port={self.ports.apiserver}",
             f"--cert-dir={self.state_dir / 'apiserver'}",
-            f"--tls-cert-file={certs.serving.cert}", f"--tls-private-key-file={certs.serving.key}",
+            f"--tls-cert-file={certs.serving.cert}",
+            f"--tls-private-key-file={certs.serving.key}",
             f"--client-ca-file={certs.ca.cert}",
             "--authorization-mode=Node,RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -291,7 +334,8 @@ class Cluster:
     def _controller_manager_args(self, certs: pki.Pki) -> list[str]:
         return [
             f"--kubeconfig={self.state_dir / 'controller-manager.kubeconfig'}",
-            "--bind-address=127.0.0.1", "--secure-port=0",
+            "--bind-address=127.0.0.1",
+            "--secure-port=0",
             "--controllers=*",
             "--use-service-account-credentials=true",
             f"--service-account-private-key-file={certs.sa_key}",
@@ -304,7 +348,8 @@ class Cluster:
     def _scheduler_args(self) -> list[str]:
         return [
             f"--kubeconfig={self.state_dir / 'scheduler.kubeconfig'}",
-            "--bind-address=127.0.0.1", "--secure-port=0",
+            "--bind-address=127.0.0.1",
+            "--secure-port=0",
             "--profiling=false",
         ]
 
@@ -328,21 +373,33 @@ class Cluster:
     def fake_node_manifest(self, index: int) -> dict[str, Any]:
         """A Node kwok manages: it advertises GPUs and needs no kubelet."""
         name = f"kwok-gpu-{index}"
-        resources = {"cpu": self.nodes.cpu, "memory": self.nodes.memory,
-                     "pods": self.nodes.pods, GPU_RESOURCE: str(self.nodes.gpus)}
+        resources = {
+            "cpu": self.nodes.cpu,
+            "memory": self.nodes.memory,
+            "pods": self.nodes.pods,
+            GPU_RESOURCE: str(self.nodes.gpus),
+        }
         return {
-            "apiVersion": "v1", "kind": "Node",
+            "apiVersion": "v1",
+            "kind": "Node",
             "metadata": {
                 "name": name,
                 "annotations": {FAKE_NODE_ANNOTATION: "fake"},
-                "labels": {FAKE_NODE_LABEL: "true", "kubernetes.io/hostname": name,
-                           "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                           "nvidia.com/gpu.present": "true"},
+                "labels": {
+                    FAKE_NODE_LABEL: "true",
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "nvidia.com/gpu.present": "true",
+                },
             },
             "status": {
-                "capacity": resources, "allocatable": resources,
-                "addresses": [{"type": "InternalIP", "address": f"10.240.0.{index + 1}"},
-                              {"type": "Hostname", "address": name}],
+                "capacity": resources,
+                "allocatable": resources,
+                "addresses": [
+                    {"type": "InternalIP", "address": f"10.240.0.{index + 1}"},
+                    {"type": "Hostname", "address": name},
+                ],
             },
         }
 
@@ -364,15 +421,23 @@ class Cluster:
     def _nodes_ready(self) -> bool:
         assert self._api is not None
         items = self._api.get_json(f"/api/v1/nodes?labelSelector={FAKE_NODE_LABEL}%3Dtrue")["items"]
-        ready = [n for n in items if any(c["type"] == "Ready" and c["status"] == "True"
-                                         for c in n.get("status", {}).get("conditions", []))]
+        ready = [
+            n
+            for n in items
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+        ]
         return len(ready) == self.nodes.count
 
     def _leaders_elected(self) -> bool:
         assert self._api is not None
         base = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/"
-        return all(self._api.get_json(base + name)["spec"].get("holderIdentity")
-                   for name in ("kube-controller-manager", "kube-scheduler"))
+        return all(
+            self._api.get_json(base + name)["spec"].get("holderIdentity")
+            for name in ("kube-controller-manager", "kube-scheduler")
+        )
 
     def _default_sa(self) -> bool:
         assert self._api is not None
@@ -381,13 +446,21 @@ class Cluster:
 
     # ---- bookkeeping -----------------------------------------------------
 
-    def _tool(self, name: str, args: tuple[str, ...], input: str | None, check: bool,
-              timeout: float) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([str(self.bin_dir / name), *args], input=input, text=True,
-                                capture_output=True, env=self.tool_env(), timeout=timeout)
+    def _tool(
+        self, name: str, args: tuple[str, ...], input: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.bin_dir / name), *args],
+            input=input,
+            text=True,
+            capture_output=True,
+            env=self.tool_env(),
+            timeout=timeout,
+        )
         if check and result.returncode != 0:
-            raise subprocess.CalledProcessError(result.returncode, [name, *args],
-                                                result.stdout, result.stderr)
+            raise subprocess.CalledProcessError(
+                result.returncode, [name, *args], result.stdout, result.stderr
+            )
         return result
 
     def _save_state(self) -> None:
@@ -416,7 +489,9 @@ class Cluster:
         """A handle on a cluster started by another process (reads cluster.json)."""
         state = json.loads((state_dir / "cluster.json").read_text())
         cluster = cls(state_dir, Path(state["bin_dir"]), tie_to_parent=False)
-        cluster._procs = [p for p in procs.recorded(cluster.state_dir, cluster.bin_dir) if p.alive()]
+        cluster._procs = [
+            p for p in procs.recorded(cluster.state_dir, cluster.bin_dir) if p.alive()
+        ]
         if state.get("ports"):
             cluster.ports = Ports(**state["ports"])
         cluster.startup_seconds = state.get("startup_seconds")

@@ -85,8 +85,4 @@ def bin_dir() -> Path:
 def missing_binaries(directory: Path | None = None) -> list[str]:
     """Names of the binaries the harness needs that are not (executable) in the folder."""
     directory = directory or bin_dir()
-    return [
-        name
-        for name in CONTROL_PLANE + TOOLS
-        if not os.access(directory / name, os.X_OK)
-    ]
+    return [name for name in CONTROL_PLANE + TOOLS if not os.access(directory / name, os.X_OK)]

@@ -48,7 +48,9 @@ def _openssl(*args: str, stdin: str | None = None) -> None:
 
 
 def _new_key(path: Path) -> Path:
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(path))
+    _openssl(
+        "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(path)
+    )
     path.chmod(0o600)
     return path
 
@@ -57,10 +59,21 @@ def _make_ca(directory: Path) -> CertPair:
     key = _new_key(directory / "ca.key")
     cert = directory / "ca.crt"
     _openssl(
-        "req", "-x509", "-new", "-key", str(key), "-out", str(cert), "-days", _DAYS,
-        "-subj", "/CN=tandem-e2e-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        _DAYS,
+        "-subj",
+        "/CN=tandem-e2e-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
     )
     return CertPair(cert, key)
 
@@ -74,8 +87,21 @@ def _issue(ca: CertPair, directory: Path, name: str, subject: str, extensions: s
     ext.write_text(extensions)
     _openssl("req", "-new", "-key", str(key), "-subj", subject, "-out", str(csr))
     _openssl(
-        "x509", "-req", "-in", str(csr), "-CA", str(ca.cert), "-CAkey", str(ca.key),
-        "-CAcreateserial", "-days", _DAYS, "-extfile", str(ext), "-out", str(cert),
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca.cert),
+        "-CAkey",
+        str(ca.key),
+        "-CAcreateserial",
+        "-days",
+        _DAYS,
+        "-extfile",
+        str(ext),
+        "-out",
+        str(cert),
     )
     csr.unlink()
     ext.unlink()
@@ -86,7 +112,10 @@ def _client(ca: CertPair, directory: Path, name: str, user: str, group: str | No
     """Client certificate: CN is the user name, O the group (what RBAC sees)."""
     subject = f"/CN={user}" + (f"/O={group}" if group else "")
     return _issue(
-        ca, directory, name, subject,
+        ca,
+        directory,
+        name,
+        subject,
         "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
         "extendedKeyUsage=clientAuth\n",
     )
@@ -94,11 +123,19 @@ def _client(ca: CertPair, directory: Path, name: str, user: str, group: str | No
 
 def _serving(ca: CertPair, directory: Path) -> CertPair:
     """API server certificate valid for loopback and the in-cluster service names."""
-    names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-             "kubernetes.default.svc.cluster.local"]
+    names = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
     san = ",".join([f"DNS:{n}" for n in names] + ["IP:127.0.0.1", f"IP:{SERVICE_IP}"])
     return _issue(
-        ca, directory, "apiserver", "/CN=kube-apiserver",
+        ca,
+        directory,
+        "apiserver",
+        "/CN=kube-apiserver",
         "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
         f"extendedKeyUsage=serverAuth\nsubjectAltName={san}\n",
     )
@@ -115,7 +152,9 @@ def generate(directory: Path) -> Pki:
         ca=ca,
         serving=_serving(ca, directory),
         admin=_client(ca, directory, "admin", "tandem-e2e-admin", "system:masters"),
-        controller_manager=_client(ca, directory, "controller-manager", "system:kube-controller-manager", None),
+        controller_manager=_client(
+            ca, directory, "controller-manager", "system:kube-controller-manager", None
+        ),
         scheduler=_client(ca, directory, "scheduler", "system:kube-scheduler", None),
         sa_key=sa_key,
         sa_pub=sa_pub,

@@ -68,7 +68,9 @@ def runs_binary(pid: int, binary: Path) -> bool:
     return state != "Z" and Path(exe.removesuffix(" (deleted)")) == binary.resolve()
 
 
-def spawn(name: str, binary: Path, args: list[str], state_dir: Path, tie_to_parent: bool) -> Managed:
+def spawn(
+    name: str, binary: Path, args: list[str], state_dir: Path, tie_to_parent: bool
+) -> Managed:
     """Start `binary args...` in its own session with output in logs/<name>.log."""
     logs = state_dir / "logs"
     pids = state_dir / "pids"

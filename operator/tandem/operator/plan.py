@@ -1,0 +1,219 @@
+"""Spec -> topology: which programs run, how many, with which arguments. Pure.
+
+The operator renders a topology into Kubernetes objects (``render.py``); ``tandem up``
+runs the same topology as local processes. Keeping this step free of Kubernetes and of I/O
+is what lets the two agree: an InferenceService YAML means the same engines either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .spec import Autoscaling, InferenceService, RoleSpec
+
+ENGINE_PORT = 8000
+PROXY_PORT = 8000
+MODEL_CACHE_MOUNT = "/models/cache"
+MODEL_PVC_MOUNT = "/models/pvc"
+ENGINE_SELECTOR_LABEL = "tandem.dev/inferenceservice"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+
+# EngineSpec fields that are not EngineConfig fields (Kubernetes- or process-level settings).
+# Every other EngineSpec field is an EngineConfig field and becomes the flag of that name.
+NON_ENGINE_FIELDS = frozenset(
+    {
+        "image",
+        "image_pull_policy",
+        "extra_args",
+        "env",
+        "shutdown_timeout_seconds",
+        "startup_timeout_seconds",
+    }
+)
+
+RoleName = Literal["prefill", "decode", "both", "proxy"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights are and the path the engine loads them from (``--model``)."""
+
+    kind: Literal["hf", "pvc", "image"]
+    path: str
+    repo_id: str | None = None
+    revision: str | None = None
+    claim_name: str | None = None
+    sub_path: str | None = None
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One program pool: ``args`` is the ``tandem`` argv after the program name, without
+    ``--host``/``--port`` (the caller picks those; ``port`` is the in-cluster default)."""
+
+    role: RoleName
+    name: str
+    replicas: int
+    args: list[str]
+    gpus: int
+    env: dict[str, str]
+    port: int
+    autoscaling: Autoscaling | None = None
+    spec: RoleSpec | None = None
+
+    @property
+    def is_engine(self) -> bool:
+        return self.role != "proxy"
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    namespace: str
+    mode: Literal["Disaggregated", "Aggregated"]
+    served_model_name: str
+    model: ModelSource
+    engine_selector: str
+    roles: list[RolePlan] = field(default_factory=list)
+
+    def role(self, role: RoleName) -> RolePlan | None:
+        return next((r for r in self.roles if r.role == role), None)
+
+    @property
+    def engines(self) -> list[RolePlan]:
+        return [r for r in self.roles if r.is_engine]
+
+
+def model_source(isvc: InferenceService) -> ModelSource:
+    """Map the model URI onto a path inside the engine container."""
+    model = isvc.spec.model
+    uri = model.uri
+    if uri.startswith("hf://"):
+        repo_id = uri[len("hf://") :].strip("/")
+        revision = model.revision or "main"
+        return ModelSource(
+            "hf", f"{MODEL_CACHE_MOUNT}/{repo_id}/{revision}", repo_id=repo_id, revision=revision
+        )
+    if uri.startswith("pvc://"):
+        claim, _, sub_path = uri[len("pvc://") :].partition("/")
+        sub_path = sub_path.strip("/")
+        path = f"{MODEL_PVC_MOUNT}/{sub_path}" if sub_path else MODEL_PVC_MOUNT
+        return ModelSource("pvc", path, claim_name=claim, sub_path=sub_path or None)
+    return ModelSource("image", uri)
+
+
+def engine_flags(isvc: InferenceService) -> list[str]:
+    """``spec.engine`` as ``tandem serve`` flags: ``maxModelLen: 4096`` -> ``--max-model-len 4096``.
+
+    Derived from the field names, so a field added to both EngineConfig and EngineSpec
+    needs no change here; unset fields are left out and keep the engine's default.
+    """
+    flags: list[str] = []
+    engine = isvc.spec.engine
+    for name in type(engine).model_fields:
+        if name in NON_ENGINE_FIELDS:
+            continue
+        value = getattr(engine, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def engine_selector(name: str) -> str:
+    """The label selector of an InferenceService's engine pods (what the proxy discovers)."""
+    return f"{ENGINE_SELECTOR_LABEL}={name},{COMPONENT_LABEL}=engine"
+
+
+def plan(
+    isvc: InferenceService,
+    model_dir: str | None = None,
+    discovery: Literal["kubernetes", "static"] = "kubernetes",
+) -> Topology:
+    """The topology of one InferenceService.
+
+    ``model_dir`` replaces the in-container model path (``tandem up`` passes the local
+    directory it downloaded or was given); ``discovery`` chooses how the proxy finds
+    engines: the Kubernetes API in a cluster, or nodes the local runner registers.
+    """
+    spec = isvc.spec
+    name, namespace = isvc.metadata.name, isvc.metadata.namespace
+    source = model_source(isvc)
+    model_path = model_dir or source.path
+    common = engine_flags(isvc)
+    env = dict(spec.engine.env)
+
+    def engine(role: RoleName, pool: str, role_spec: RoleSpec) -> RolePlan:
+        args = [
+            "serve",
+            "--model",
+            model_path,
+            "--served-model-name",
+            spec.model.name,
+            "--role",
+            role,
+            "--tensor-parallel-size",
+            str(max(1, role_spec.gpus)),
+            "--shutdown-timeout",
+            str(spec.engine.shutdown_timeout_seconds),
+            *common,
+            *spec.engine.extra_args,
+        ]
+        return RolePlan(
+            role=role,
+            name=pool,
+            replicas=role_spec.desired_replicas(),
+            args=args,
+            gpus=role_spec.gpus,
+            env=dict(env),
+            port=ENGINE_PORT,
+            autoscaling=role_spec.autoscaling,
+            spec=role_spec,
+        )
+
+    roles: list[RolePlan] = []
+    if spec.mode == "Disaggregated":
+        roles.append(engine("prefill", "prefill", spec.prefill or RoleSpec()))
+        roles.append(engine("decode", "decode", spec.decode))
+    else:
+        roles.append(engine("both", "engine", spec.decode))
+
+    selector = engine_selector(name)
+    proxy_args = ["proxy"]
+    if discovery == "kubernetes":
+        proxy_args += [
+            "--discovery",
+            "kubernetes",
+            "--namespace",
+            namespace,
+            "--selector",
+            selector,
+        ]
+    if spec.proxy.routing_policy:
+        proxy_args += ["--routing-policy", spec.proxy.routing_policy]
+    proxy_args += spec.proxy.extra_args
+    roles.append(
+        RolePlan(
+            role="proxy",
+            name="proxy",
+            replicas=spec.proxy.replicas,
+            args=proxy_args,
+            gpus=0,
+            env={},
+            port=PROXY_PORT,
+        )
+    )
+    return Topology(
+        name=name,
+        namespace=namespace,
+        mode=spec.mode,
+        served_model_name=spec.model.name,
+        model=source,
+        engine_selector=selector,
+        roles=roles,
+    )

@@ -1,0 +1,132 @@
+"""One error shape for every route: OpenAI's ``{"error": {"message", "type", "code", "param"}}``.
+
+Clients (the OpenAI SDK, LangChain) parse this shape to raise typed exceptions, so FastAPI's
+default 422 ``{"detail": [...]}`` body is replaced: validation problems are 400s here, and
+nothing a client sends may surface as a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tandem.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error a route answers with; carries everything the OpenAI error body needs."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+
+def error_body(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    type: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type or _TYPES.get(status, "invalid_request_error"),
+            "code": code,
+            "param": param,
+        }
+    }
+
+
+def _count(request: Request, status: int) -> None:
+    state = getattr(request.app.state, "tandem", None)
+    if state is not None:
+        state.metrics.on_error(status)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(
+        error_body(err.status, err.message, code=err.code, param=err.param, type=err.type),
+        status_code=err.status,
+        headers=headers,
+    )
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending field (dotted, without the leading ``body``)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        msg = f"'{param}' is a required property" if param else "a required property is missing"
+    elif param:
+        msg = f"{param}: {msg}"
+    more = len(errors) - 1
+    if more:
+        msg += f" (and {more} more error{'s' if more > 1 else ''})"
+    return msg, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count(request, exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count(request, 400)
+        message, param = validation_message(exc)
+        return error_response(APIError(400, message, code="invalid_value", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        _count(request, exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        _count(request, 500)
+        return error_response(
+            APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        )

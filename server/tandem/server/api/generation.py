@@ -1,0 +1,194 @@
+"""Running one API request on the engine loop: submit, follow its outputs, abort on the way out.
+
+Every route that generates (chat, completions, /generate, /api/generate) goes through
+here, so the rules are in one place: engine errors become API errors, a client that
+disconnects aborts its requests, and nothing leaves a request running unobserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from tandem.server.engine import (
+    InvalidParamError,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
+
+from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
+from .errors import APIError
+from .state import ServerState
+
+try:  # the engine's sleep-mode errors (present once the engine has sleep mode)
+    from tandem.server.engine.llm_engine import EngineSleepingError
+except ImportError:  # pragma: no cover - older engine
+
+    class EngineSleepingError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+try:
+    from tandem.server.engine.llm_engine import EngineBusyError
+except ImportError:  # pragma: no cover - older engine
+
+    class EngineBusyError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+DISCONNECT_POLL_S = 0.5
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def api_error(exc: BaseException) -> APIError:
+    """Map what the engine (loop) raises onto the API's status codes."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        status = 413 if exc.param == "prompt" else 400
+        return APIError(status, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidParamError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full")
+    if isinstance(exc, EngineSleepingError):
+        return APIError(503, str(exc), code="engine_sleeping")
+    if isinstance(exc, EngineNotReadyError):
+        return APIError(503, str(exc), code="engine_not_ready")
+    if isinstance(exc, EngineBusyError):
+        return APIError(409, str(exc), code="engine_busy")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), code="engine_error")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+@dataclass
+class Job:
+    """One API request, fanned out to one engine request per prompt."""
+
+    state: ServerState
+    request_ids: list[str]
+    prompt_ids: list[list[int]]
+    sink: asyncio.Queue
+    last: dict[str, RequestOutput] = field(default_factory=dict)
+    on_finish: Callable[[list[RequestOutput]], None] | None = (
+        None  # once every request finished normally
+    )
+
+    @property
+    def finished(self) -> bool:
+        return all(rid in self.last and self.last[rid].finished for rid in self.request_ids)
+
+    def abort_unfinished(self) -> None:
+        for rid in self.request_ids:
+            out = self.last.get(rid)
+            if out is None or not out.finished:
+                self.state.engine.abort(rid)
+
+    async def updates(self) -> AsyncIterator[dict[str, RequestOutput]]:
+        """Each wake-up yields the newest output per request (outputs are cumulative, so a
+        consumer that fell behind skips the intermediate snapshots instead of queueing them)."""
+        pending = {
+            rid for rid in self.request_ids if not (rid in self.last and self.last[rid].finished)
+        }
+        while pending:
+            items = [await self.sink.get()]
+            while not self.sink.empty():
+                items.append(self.sink.get_nowait())
+            latest: dict[str, RequestOutput] = {}
+            for rid, item in items:
+                if isinstance(item, BaseException):
+                    raise api_error(item)
+                if item.error is not None:  # ended without finishing, e.g. a failed KV pull
+                    raise APIError(
+                        502, item.error, code="kv_transfer_error", type="kv_transfer_error"
+                    )
+                latest[rid] = item
+                self.last[rid] = item
+                if item.finished:
+                    pending.discard(rid)
+            if not pending and self.on_finish is not None:
+                outs = [self.last[rid] for rid in self.request_ids]
+                if all(c.finish_reason in ("stop", "length") for o in outs for c in o.outputs):
+                    self.on_finish(outs)
+            yield latest
+
+    async def collect(self, request: Request | None) -> list[RequestOutput]:
+        """Wait for every request to finish; abort them all if the client disconnects first."""
+
+        async def drain() -> None:
+            async for _ in self.updates():
+                pass
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return [self.last[rid] for rid in self.request_ids]
+                if request is not None and await request.is_disconnected():
+                    raise ClientDisconnected()
+        finally:
+            if not task.done():
+                task.cancel()
+            if not self.finished:
+                self.abort_unfinished()
+
+
+async def submit(
+    state: ServerState,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    stream: bool,
+    session_id: str | None = None,
+    kv_transfer: dict | None = None,
+) -> Job:
+    """Add one engine request per prompt; if any is refused, abort the ones already added."""
+    state.check_admitting()
+    if kv_transfer and len(prompts) != 1:
+        raise APIError(
+            400,
+            "kv_transfer_params takes a single prompt",
+            param="kv_transfer_params",
+            code="invalid_value",
+        )
+    arrival = time.monotonic()
+    sink: asyncio.Queue = asyncio.Queue()
+    ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+    job = Job(state, [], [], sink)
+    try:
+        for rid, prompt in zip(ids, prompts):
+            prompt_ids = await state.engine.add_request(
+                rid,
+                prompt,
+                params,
+                sink=sink,
+                stream=stream,
+                session_id=session_id,
+                arrival=arrival,
+                kv_transfer=kv_transfer,
+            )
+            job.request_ids.append(rid)
+            job.prompt_ids.append(prompt_ids)
+    except BaseException as exc:
+        job.abort_unfinished()
+        if isinstance(exc, Exception):
+            raise api_error(exc) from exc
+        raise
+    return job

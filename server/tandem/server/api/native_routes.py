@@ -1,0 +1,297 @@
+"""LMDeploy's native routes (``/generate``, ``/v1/encode``, ``/abort_request``) and Ollama's
+``/api/generate``: raw prompts, no chat template, their own response shapes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.server.engine import SamplingParams
+
+from . import mapping
+from .errors import APIError, error_body
+from .generation import ClientDisconnected, Job, new_id, submit
+from .protocol import (
+    ERROR_RESPONSES,
+    AbortRequest,
+    EncodeRequest,
+    EncodeResponse,
+    GenerateRequest,
+    GenerateResponse,
+    OllamaGenerateRequest,
+)
+from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
+from .state import get_state
+
+router = APIRouter()
+
+
+# ----- LMDeploy /generate -------------------------------------------------------------------
+def _generate_body(
+    rid: str, out: Any, text: str, ids: list[int], lps: list[Any] | None, want_logprobs: bool
+) -> dict[str, Any]:
+    c = out.outputs[0]
+    return {
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": mapping.generate_finish(c),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "output_token_logprobs": [
+                (max(lp.logprob, mapping.LOGPROB_FLOOR), lp.token_id) for lp in lps or []
+            ]
+            if want_logprobs
+            else None,
+        },
+    }
+
+
+@router.post("/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    """A raw prompt (``prompt``) or token ids (``input_ids``); streamed as SSE deltas when ``stream``."""
+    state = get_state(request)
+    if body.image_data is not None:
+        raise APIError(
+            400, "image inputs are not supported", param="image_data", code="unsupported_value"
+        )
+    if (body.prompt is None) == (body.input_ids is None):
+        raise APIError(
+            400, "give exactly one of prompt and input_ids", param="prompt", code="invalid_value"
+        )
+    params = mapping.generate_sampling_params(body, vocab_size=state.vocab_size)
+    prompt = (
+        state.tokenizer.encode(body.prompt)
+        if body.prompt is not None
+        else list(body.input_ids or [])
+    )
+    rid = new_id("gen")
+    job = await submit(
+        state,
+        rid,
+        [prompt],
+        params,
+        stream=bool(body.stream),
+        session_id=mapping.session_key(body.session_id),
+    )
+    want = bool(body.return_logprob)
+    if body.stream:
+        return StreamingResponse(
+            _generate_stream(job, rid, want), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        (out,) = await job.collect(request)
+    except ClientDisconnected:
+        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    c = out.outputs[0]
+    return _generate_body(rid, out, c.text, list(c.token_ids), c.logprobs, want)
+
+
+async def _generate_stream(job: Job, rid: str, want_logprobs: bool) -> AsyncIterator[bytes]:
+    cur = mapping.Cursor()
+    try:
+        async for latest in job.updates():
+            out = latest[rid]
+            c = out.outputs[0]
+            if cur.done or (c.finish_reason is None and len(c.text) <= cur.text):
+                continue
+            text, ids, lps = cur.advance(c)
+            yield sse_event(_generate_body(rid, out, text, ids, lps, want_logprobs))
+        yield DONE
+    except APIError as err:
+        yield sse_event(error_body(err.status, err.message, code=err.code))
+    finally:
+        if not job.finished:
+            job.abort_unfinished()
+
+
+@router.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
+async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
+    """Token ids of one or more texts (``do_preprocess`` applies the chat template first)."""
+    state = get_state(request)
+    texts = [body.input] if isinstance(body.input, str) else list(body.input)
+
+    def one(text: str) -> list[int]:
+        if body.do_preprocess:
+            if getattr(state.tokenizer, "chat_template", None) is None:
+                raise APIError(
+                    400,
+                    "this model has no chat template",
+                    param="do_preprocess",
+                    code="no_chat_template",
+                )
+            text = state.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return list(state.tokenizer.encode(text, add_special_tokens=False))
+        return list(state.tokenizer.encode(text, add_special_tokens=bool(body.add_bos)))
+
+    ids = [one(t) for t in texts]
+    if isinstance(body.input, str):
+        return {"input_ids": ids[0], "length": len(ids[0])}
+    return {"input_ids": ids, "length": [len(i) for i in ids]}
+
+
+@router.post("/abort_request", responses=ERROR_RESPONSES)
+async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
+    """Abort the requests of one session, or every request in flight with ``abort_all``."""
+    state = get_state(request)
+    session = mapping.session_key(body.session_id)
+    if not body.abort_all and session is None:
+        raise APIError(
+            400, "give a session_id or abort_all: true", param="session_id", code="invalid_value"
+        )
+    if state.engine.state != "ready":
+        return {"aborted": 0}
+    n = await state.engine.abort_matching(None if body.abort_all else session)
+    return {"aborted": n}
+
+
+# ----- Ollama /api/generate -----------------------------------------------------------------
+_OLLAMA_OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "num_predict": "max_tokens",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "seed": (int,),
+    "num_predict": (int,),
+    "stop": (str, list),
+    "repeat_penalty": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+}
+
+
+def ollama_sampling_params(options: dict[str, Any] | None) -> SamplingParams:
+    """Ollama's ``options`` onto ``SamplingParams`` (``num_predict`` -1 = up to the context)."""
+    fields: dict[str, Any] = {"max_tokens": None}
+    for key, value in (options or {}).items():
+        if key not in _OLLAMA_OPTIONS:
+            continue  # Ollama has many runner options (num_ctx, num_gpu ...) with no meaning here
+        types = _OPTION_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise APIError(
+                400,
+                f"options.{key} has the wrong type",
+                param=f"options.{key}",
+                code="invalid_value",
+            )
+        if key == "num_predict" and value < 0:
+            value = None
+        if key == "top_k" and value == 0:
+            value = -1
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+        fields[_OLLAMA_OPTIONS[key]] = value
+    return mapping._build(fields)
+
+
+def _created_at() -> str:
+    return str(datetime.now())
+
+
+@router.post("/api/generate", responses=ERROR_RESPONSES)
+async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
+    """Ollama-style generation: an NDJSON stream of ``{model, created_at, response, done}``."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    if body.images:
+        raise APIError(
+            400, "image inputs are not supported", param="images", code="unsupported_value"
+        )
+    if body.format not in (None, ""):
+        raise APIError(
+            400,
+            "format (structured output) is not supported",
+            param="format",
+            code="unsupported_value",
+        )
+    params = ollama_sampling_params(body.options)
+    if body.raw or getattr(state.tokenizer, "chat_template", None) is None:
+        text = body.prompt
+        prompt = list(body.context or []) + state.tokenizer.encode(text)
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+            {"role": "user", "content": body.prompt}
+        ]
+        text = state.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        prompt = list(body.context or []) + state.tokenizer.encode(text, add_special_tokens=False)
+    rid = new_id("ollama")
+    started = time.monotonic_ns()
+    job = await submit(state, rid, [prompt], params, stream=body.stream)
+    if body.stream:
+        return StreamingResponse(
+            _ollama_stream(job, rid, model, started), media_type="application/x-ndjson"
+        )
+    try:
+        (out,) = await job.collect(request)
+    except ClientDisconnected:
+        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    return {
+        "model": model,
+        "created_at": _created_at(),
+        "response": out.outputs[0].text,
+        "done": True,
+        **_ollama_final(out, started),
+    }
+
+
+def _ollama_final(out: Any, started_ns: int) -> dict[str, Any]:
+    c = out.outputs[0]
+    return {
+        "done_reason": c.finish_reason,
+        "context": list(out.prompt_token_ids) + list(c.token_ids),
+        "total_duration": time.monotonic_ns() - started_ns,
+        "prompt_eval_count": len(out.prompt_token_ids),
+        "eval_count": len(c.token_ids),
+    }
+
+
+async def _ollama_stream(job: Job, rid: str, model: str, started_ns: int) -> AsyncIterator[bytes]:
+    cur = mapping.Cursor()
+    try:
+        async for latest in job.updates():
+            out = latest[rid]
+            c = out.outputs[0]
+            if len(c.text) > cur.text:
+                text, _, _ = cur.advance(c)
+                yield ndjson_line(
+                    {"model": model, "created_at": _created_at(), "response": text, "done": False}
+                )
+        yield ndjson_line(
+            {
+                "model": model,
+                "created_at": _created_at(),
+                "response": "",
+                "done": True,
+                **_ollama_final(job.last[rid], started_ns),
+            }
+        )
+    except APIError as err:
+        yield ndjson_line(
+            {"model": model, "created_at": _created_at(), "error": err.message, "done": True}
+        )
+    finally:
+        if not job.finished:
+            job.abort_unfinished()

@@ -1,0 +1,372 @@
+"""OpenAI's routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, plus sessions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import mapping
+from .errors import APIError, error_body
+from .generation import ClientDisconnected, Job, new_id, submit
+from .protocol import (
+    ERROR_RESPONSES,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+)
+from .sse import DONE, SSE_HEADERS, sse_event
+from .state import ServerState, get_state
+
+log = logging.getLogger("tandem.api")
+
+router = APIRouter()
+
+
+def _note_ignored(route: str, body: Any) -> None:
+    if extra := body.ignored_fields():
+        log.debug("%s: ignoring unknown field(s) %s", route, ", ".join(extra))
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
+async def list_models(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    info = state.engine.info
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "tandem",
+                "root": state.settings.model_dir,
+                "max_model_len": info.get("max_model_len"),
+            }
+        ],
+    }
+
+
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """Chat over the model's template; ``stream: true`` answers with ``chat.completion.chunk`` events."""
+    state = get_state(request)
+    _note_ignored("/v1/chat/completions", body)
+    model = state.check_model(body.model)
+    mapping.check_chat_request(body)
+    top = mapping.chat_logprobs_count(body)
+    params = mapping.sampling_params(
+        body, vocab_size=state.vocab_size, default_max_tokens=None, logprobs=top
+    )
+    session = mapping.session_key(body.session_id)
+    raw_prompt = (
+        isinstance(body.messages, str) and body.do_preprocess is False
+    )  # no template, no history
+    conversation = None
+    if session is not None and not raw_prompt:
+        conversation = state.histories.resolve(session, mapping.chat_messages(body))
+    text = mapping.render_chat(state.tokenizer, body, conversation)
+    prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
+    request_id = new_id("chatcmpl")
+    job = await submit(
+        state,
+        request_id,
+        [prompt_ids],
+        params,
+        stream=bool(body.stream),
+        session_id=session,
+        kv_transfer=body.kv_transfer_params,
+    )
+    if conversation is not None:
+        job.on_finish = lambda outs: state.histories.record(
+            session, conversation, outs[0].outputs[0].text
+        )
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _chat_stream(
+                state,
+                job,
+                request_id,
+                created,
+                model,
+                top,
+                include_usage,
+                bool(body.return_token_ids),
+            ),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    try:
+        outputs = await job.collect(request)
+    except ClientDisconnected:
+        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    return _with_handoff(
+        mapping.chat_response(
+            request_id=request_id,
+            created=created,
+            model=model,
+            outputs=outputs,
+            tokenizer=state.tokenizer,
+            top_logprobs=top,
+            return_token_ids=bool(body.return_token_ids),
+        ),
+        outputs,
+    )
+
+
+async def _chat_stream(
+    state: ServerState,
+    job: Job,
+    request_id: str,
+    created: int,
+    model: str,
+    top: int | None,
+    include_usage: bool,
+    return_token_ids: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
+        return sse_event(
+            mapping.chat_chunk(
+                request_id=request_id,
+                created=created,
+                model=model,
+                choices=choices,
+                usage_info=usage_info,
+                include_usage_field=include_usage,
+            )
+        )
+
+    rid = job.request_ids[0]
+    n = None
+    cursors: dict[int, mapping.Cursor] = {}
+    try:
+        async for latest in job.updates():
+            out = latest[rid]
+            if n is None:
+                n = len(out.outputs)
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(n)
+                    ]
+                )
+            choices = []
+            for c in out.outputs:
+                cur = cursors.setdefault(c.index, mapping.Cursor())
+                if cur.done or (c.finish_reason is None and len(c.text) <= cur.text):
+                    continue
+                text, tokens, lps = cur.advance(c)
+                choice: dict[str, Any] = {
+                    "index": c.index,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": mapping.chat_logprobs(state.tokenizer, lps, top)
+                    if top is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+                if return_token_ids:
+                    choice["token_ids"] = tokens
+                choices.append(choice)
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            out = job.last[rid]
+            yield chunk(
+                [],
+                mapping.usage(
+                    len(out.prompt_token_ids),
+                    sum(len(c.token_ids) for c in out.outputs),
+                    out.num_cached_tokens,
+                ),
+            )
+        yield DONE
+    except APIError as err:  # the engine failed mid-stream: say so in-band, then end the stream
+        yield sse_event(error_body(err.status, err.message, code=err.code))
+        yield DONE
+    finally:
+        if not job.finished:
+            job.abort_unfinished()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """Raw-prompt completions (one or more prompts; ``n`` choices each)."""
+    state = get_state(request)
+    _note_ignored("/v1/completions", body)
+    model = state.check_model(body.model)
+    mapping.check_completion_request(body)
+    params = mapping.sampling_params(
+        body, vocab_size=state.vocab_size, default_max_tokens=16, logprobs=body.logprobs
+    )
+    prompts = mapping.completion_prompts(body.prompt)
+    prompt_ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    echo_texts: list[str | None] = [
+        (p if isinstance(p, str) else state.tokenizer.decode(p)) if body.echo else None
+        for p in prompts
+    ]
+    request_id = new_id("cmpl")
+    session = mapping.session_key(body.session_id)
+    if session is not None and len(prompts) > 1:
+        raise APIError(
+            400, "a session takes a single prompt", param="session_id", code="invalid_value"
+        )
+    job = await submit(
+        state,
+        request_id,
+        prompt_ids,
+        params,
+        stream=bool(body.stream),
+        session_id=session,
+        kv_transfer=body.kv_transfer_params,
+    )
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _completion_stream(
+                state,
+                job,
+                request_id,
+                created,
+                model,
+                body.logprobs,
+                echo_texts,
+                include_usage,
+                bool(body.return_token_ids),
+            ),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    try:
+        outputs = await job.collect(request)
+    except ClientDisconnected:
+        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    return _with_handoff(
+        mapping.completion_response(
+            request_id=request_id,
+            created=created,
+            model=model,
+            outputs=outputs,
+            tokenizer=state.tokenizer,
+            logprobs=body.logprobs,
+            echo_texts=echo_texts,
+            return_token_ids=bool(body.return_token_ids),
+        ),
+        outputs,
+    )
+
+
+def _with_handoff(response: dict[str, Any], outputs: list[Any]) -> dict[str, Any]:
+    """A prefill engine's answer carries the handle the decode engine pulls the KV cache with."""
+    if outputs and outputs[0].kv_transfer_params is not None:
+        response["kv_transfer_params"] = outputs[0].kv_transfer_params
+    return response
+
+
+async def _completion_stream(
+    state: ServerState,
+    job: Job,
+    request_id: str,
+    created: int,
+    model: str,
+    logprobs: int | None,
+    echo_texts: list[str | None],
+    include_usage: bool,
+    return_token_ids: bool,
+) -> AsyncIterator[bytes]:
+    index_of = {rid: i for i, rid in enumerate(job.request_ids)}
+    cursors: dict[tuple[str, int], mapping.Cursor] = {}
+    offsets: dict[tuple[str, int], int] = {}
+    try:
+        async for latest in job.updates():
+            choices = []
+            for rid, out in latest.items():
+                p = index_of[rid]
+                n = len(out.outputs)
+                for c in out.outputs:
+                    key = (rid, c.index)
+                    first = key not in cursors
+                    cur = cursors.setdefault(key, mapping.Cursor())
+                    echo = (echo_texts[p] or "") if first else ""
+                    if cur.done or (
+                        c.finish_reason is None and len(c.text) <= cur.text and not echo
+                    ):
+                        continue
+                    text, tokens, lps = cur.advance(c)
+                    pos = offsets.get(key, len(echo))
+                    choice: dict[str, Any] = {
+                        "index": p * n + c.index,
+                        "text": echo + text,
+                        "logprobs": mapping.completion_logprobs(state.tokenizer, lps, logprobs, pos)
+                        if logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    offsets[key] = pos + len(text)
+                    if return_token_ids:
+                        choice["token_ids"] = tokens
+                    choices.append(choice)
+            if choices:
+                yield sse_event(
+                    mapping.completion_chunk(
+                        request_id=request_id,
+                        created=created,
+                        model=model,
+                        choices=choices,
+                        include_usage_field=include_usage,
+                    )
+                )
+        if include_usage:
+            outs = [job.last[rid] for rid in job.request_ids]
+            u = mapping.usage(
+                sum(len(o.prompt_token_ids) for o in outs),
+                sum(len(c.token_ids) for o in outs for c in o.outputs),
+                sum(o.num_cached_tokens for o in outs),
+            )
+            yield sse_event(
+                mapping.completion_chunk(
+                    request_id=request_id, created=created, model=model, choices=[], usage_info=u
+                )
+            )
+        yield DONE
+    except APIError as err:
+        yield sse_event(error_body(err.status, err.message, code=err.code))
+        yield DONE
+    finally:
+        if not job.finished:
+            job.abort_unfinished()
+
+
+@router.delete("/v1/sessions/{session_id}", responses=ERROR_RESPONSES)
+async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    """Free a session's KV blocks now (idle sessions also expire on their own)."""
+    state = get_state(request)
+    state.check_admitting()
+    engine_has = await state.engine.call(lambda e: hasattr(e, "delete_session"))
+    if not engine_has:
+        raise APIError(501, "this engine has no sessions", code="not_implemented")
+    deleted = await state.engine.call(lambda e: e.delete_session(session_id))
+    deleted = state.histories.drop(session_id) or deleted
+    if not deleted:
+        raise APIError(
+            404,
+            f"session {session_id!r} does not exist",
+            code="session_not_found",
+            param="session_id",
+        )
+    return {"id": session_id, "object": "session", "deleted": True}

@@ -1,0 +1,218 @@
+"""Operations: health, Prometheus metrics, sleep/wake-up, GPU info, terminate."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from .errors import APIError
+from .generation import api_error
+from .metrics import CONTENT_TYPE
+from .protocol import ERROR_RESPONSES, ErrorResponse, HealthResponse
+from .state import ServerState, get_state
+
+router = APIRouter()
+
+
+def format_uptime(seconds: float) -> str:
+    """``2h 15m``-style, as ZSE's /health shows it."""
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    parts = [f"{d}d"] if d else []
+    if d or h:
+        parts.append(f"{h}h")
+    parts.append(f"{m}m")
+    if not d and not h:
+        parts.append(f"{s}s")
+    return " ".join(parts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GB"
+
+
+def gpu_list() -> list[dict[str, Any]]:
+    """Every visible CUDA device (DeepInfer's ``/v1/gpu/info`` fields); empty without one."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return []
+    if not torch.cuda.is_available():
+        return []
+    cuda_version = torch.version.cuda
+    driver = _driver_version()
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        name = props.name
+        gpus.append(
+            {
+                "id": i,
+                "name": name,
+                "total_memory_gb": round(total / 2**30, 2),
+                "free_memory_gb": round(free / 2**30, 2),
+                "used_memory_gb": round((total - free) / 2**30, 2),
+                "compute_capability": f"{props.major}.{props.minor}",
+                "driver_version": driver,
+                "cuda_version": cuda_version,
+                "is_nvidia_5090": "5090" in name,
+                "is_nvidia_4090": "4090" in name,
+            }
+        )
+    return gpus
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else v
+    except Exception:  # noqa: BLE001 - optional dependency, optional field
+        return None
+
+
+def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
+    snap = state.engine.snapshot
+    if state.draining:
+        status = "draining"
+    elif snap.state != "ready":
+        status = snap.state
+    elif snap.is_sleeping:
+        status = "sleeping"
+    else:
+        status = "ok"
+    uptime = time.time() - state.started_at
+    body: dict[str, Any] = {
+        "status": status,
+        "model": state.model_name,
+        "role": state.settings.role,
+        "uptime": format_uptime(uptime),
+        "uptime_seconds": round(uptime, 3),
+        "active_requests": snap.num_running,
+        "pending_requests": snap.num_waiting + state.engine.num_queued_adds,
+        "active_sessions": snap.num_sessions,
+        "is_sleeping": snap.is_sleeping,
+        "block_pool": {
+            "total_blocks": snap.total_blocks,
+            "free_blocks": snap.free_blocks,
+            "utilization": round(snap.kv_utilization, 6),
+        },
+        "gpus": 0,
+    }
+    gpus = gpu_list()
+    if gpus:
+        used = sum(int((g["total_memory_gb"] - g["free_memory_gb"]) * 2**30) for g in gpus)
+        total = sum(int(g["total_memory_gb"] * 2**30) for g in gpus)
+        body.update(gpus=len(gpus), gpu_memory_used=_gib(used), gpu_memory_total=_gib(total))
+    return (200 if status == "ok" else 503), body
+
+
+@router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+async def health(request: Request) -> JSONResponse:
+    """200 with ``status: ok`` when the engine can serve; 503 with the same body while it loads,
+    sleeps or drains, so a readiness probe and the proxy route around it."""
+    status, body = health_body(get_state(request))
+    return JSONResponse(body, status_code=status)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict[str, bool]:
+    return {"is_sleeping": get_state(request).engine.snapshot.is_sleeping}
+
+
+@router.post("/sleep", responses=ERROR_RESPONSES | {409: {"model": ErrorResponse}})
+async def sleep(
+    request: Request,
+    level: int = Query(
+        1,
+        ge=1,
+        le=2,
+        description="1: free the KV cache "
+        "(weights parked in host memory on a GPU); 2: also drop the weights (reloaded on wake-up)",
+    ),
+    tags: list[str] | None = Query(None, description="accepted for LMDeploy compatibility"),
+) -> Any:
+    """Release the engine's memory; requests get 503 until ``/wakeup``. 409 while requests run."""
+    state = get_state(request)
+    if state.engine.state != "ready":
+        raise APIError(
+            503, f"the engine is {state.engine.state}", code=f"engine_{state.engine.state}"
+        )
+    if not await state.engine.call(lambda e: hasattr(e, "sleep")):
+        raise APIError(501, "this engine has no sleep mode", code="not_implemented")
+    try:
+        await state.engine.call(lambda e: e.sleep(level))
+    except Exception as exc:  # noqa: BLE001 - mapped to 400/409
+        raise api_error(exc) from exc
+    return {"is_sleeping": True, "level": level}
+
+
+@router.post("/wakeup", responses=ERROR_RESPONSES)
+async def wakeup(request: Request, tags: list[str] | None = Query(None)) -> Any:
+    """Restore the KV cache and weights released by ``/sleep``."""
+    state = get_state(request)
+    if state.engine.state != "ready":
+        raise APIError(
+            503, f"the engine is {state.engine.state}", code=f"engine_{state.engine.state}"
+        )
+    if not await state.engine.call(lambda e: hasattr(e, "wake_up")):
+        raise APIError(501, "this engine has no sleep mode", code="not_implemented")
+    try:
+        await state.engine.call(lambda e: e.wake_up())
+    except Exception as exc:  # noqa: BLE001
+        raise api_error(exc) from exc
+    return {"is_sleeping": False}
+
+
+@router.post("/pause")
+async def pause(request: Request) -> dict[str, bool]:
+    """Stop stepping the engine (vLLM's ``/pause``): requests stay in flight, holding their KV
+    blocks, until ``/resume``; new requests queue. Aborts and disconnects still apply."""
+    get_state(request).engine.pause()
+    return {"is_paused": True}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict[str, bool]:
+    get_state(request).engine.resume()
+    return {"is_paused": False}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, bool]:
+    return {"is_paused": get_state(request).engine.paused}
+
+
+@router.get("/terminate")
+async def terminate(request: Request) -> dict[str, str]:
+    """Stop the server: stop admitting, let running requests finish within the grace period, exit."""
+    state = get_state(request)
+    if state.shutdown is None:
+        raise APIError(
+            501,
+            "this server was not started by `tandem serve`; it cannot terminate itself",
+            code="not_implemented",
+        )
+    state.draining = True
+    asyncio.get_running_loop().call_later(0.1, state.shutdown)
+    return {"status": "terminating"}
+
+
+@router.get("/v1/gpu/info")
+async def gpu_info() -> dict[str, Any]:
+    return {"gpus": gpu_list()}

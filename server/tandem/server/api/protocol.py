@@ -1,0 +1,304 @@
+"""Request and response models: OpenAI's, LMDeploy's and Ollama's field names and shapes.
+
+Types are strict (``"5"`` is not an integer, ``1`` is not a boolean), so a wrong type is a
+400 rather than a silent coercion. Unknown fields are accepted and ignored: the OpenAI SDK
+and LangChain send fields a given server does not know (``user``, ``store``,
+``parallel_tool_calls``, ``service_tier`` ...), and refusing them would break those clients.
+The names of ignored fields are logged. Fields we know but cannot honour (a JSON schema
+``response_format``, image inputs) are refused with a 400 that says so, never dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StrictOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ----- shared pieces ------------------------------------------------------------------------
+class StreamOptions(APIModel):
+    include_usage: bool | None = False
+
+
+class ContentPart(APIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(APIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class JsonSchema(APIModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = False
+
+
+class ResponseFormat(APIModel):
+    type: Literal["text", "json_object", "json_schema", "regex_schema"]
+    json_schema: JsonSchema | None = None
+    regex_schema: str | None = None
+
+
+class FunctionDef(APIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(APIModel):
+    type: str = "function"
+    function: FunctionDef
+
+
+class SamplingFields(APIModel):
+    """Sampling fields every generation route shares (OpenAI's plus vLLM's/LMDeploy's extras)."""
+
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    min_tokens: int | None = None
+    min_new_tokens: int | None = Field(default=None, description="LMDeploy's name for min_tokens")
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    session_id: str | int | None = Field(
+        default=None,
+        description="Keep this conversation's KV cache between turns; empty, null or -1 = stateless",
+    )
+    return_token_ids: bool | None = False
+    user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None,
+        description="P/D handoff: {do_remote_decode: true} on a prefill engine; the prefill's "
+        "returned handle (do_remote_prefill, remote_*) on a decode engine",
+    )
+
+
+# ----- OpenAI chat and completions ----------------------------------------------------------
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] | str = Field(
+        description="The conversation; a string is taken as one user message (LMDeploy)"
+    )
+    model: str | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    do_preprocess: bool | None = True
+    add_generation_prompt: bool | None = True
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+# ----- LMDeploy's native routes -------------------------------------------------------------
+class GenerateRequest(APIModel):
+    """LMDeploy's ``POST /generate``: a raw prompt or token ids, no chat template."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    session_id: int | str | None = -1
+    stream: bool | None = False
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(default=0, description="0 or -1 turns top-k off")
+    min_p: float = 0.0
+    min_tokens: int | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = 1.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    return_logprob: bool | None = None
+    return_routed_experts: bool | None = False
+    image_data: str | dict[str, Any] | list[str | dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class EncodeRequest(APIModel):
+    input: str | list[str]
+    do_preprocess: bool | None = False
+    add_bos: bool | None = True
+
+
+class AbortRequest(APIModel):
+    abort_all: bool = False
+    session_id: int | str | None = -1
+    abort_message: str | None = None
+    finished_reason: dict[str, Any] | None = None
+
+
+# ----- Ollama-style /api/generate -----------------------------------------------------------
+class OllamaGenerateRequest(APIModel):
+    model: str | None = None
+    prompt: str = ""
+    stream: bool = True
+    system: str | None = None
+    raw: bool = False
+    options: dict[str, Any] | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+    format: str | dict[str, Any] | None = None
+
+
+# ----- responses (documented in the OpenAPI schema; routes build them as plain dicts) -------
+class UsageInfo(StrictOut):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class ChatChoice(StrictOut):
+    index: int
+    message: dict[str, Any]
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(StrictOut):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionChoice(StrictOut):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(StrictOut):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ModelCard(StrictOut):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(StrictOut):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class BlockPoolInfo(StrictOut):
+    total_blocks: int
+    free_blocks: int
+    utilization: float
+
+
+class HealthResponse(StrictOut):
+    status: str
+    model: str
+    role: str
+    uptime: str
+    uptime_seconds: float
+    active_requests: int
+    pending_requests: int
+    active_sessions: int
+    is_sleeping: bool
+    block_pool: BlockPoolInfo
+    gpus: int = 0
+    gpu_memory_used: str | None = None
+    gpu_memory_total: str | None = None
+
+
+class GenerateMetaInfo(StrictOut):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    output_token_logprobs: list[tuple[float, int]] | None = None
+
+
+class GenerateResponse(StrictOut):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class EncodeResponse(StrictOut):
+    input_ids: list[int] | list[list[int]]
+    length: int | list[int]
+
+
+class ErrorDetail(StrictOut):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(StrictOut):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+}

@@ -1,0 +1,220 @@
+"""``tandem serve``: the engine's HTTP server on uvicorn.
+
+SIGTERM (or ``GET /terminate``) stops admitting at once (new requests get 503), lets the
+requests in flight finish for up to ``--shutdown-timeout`` seconds, aborts what is left,
+and exits 0. An engine that fails to load makes the process exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
+
+from .state import ROLES, ServerSettings
+
+if TYPE_CHECKING:
+    from .app import ProxyRegistration
+
+log = logging.getLogger("tandem.api")
+
+EMBEDDED_MODEL_NAME = "tandem-tiny"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF-format model directory (default: the embedded tiny model)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients use in 'model' (default: the model directory's name)",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none if unset)",
+    )
+    parser.add_argument(
+        "--role", choices=ROLES, default="both", help="this engine's part in P/D disaggregation"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="admission limit: requests waiting for the engine beyond this get 429",
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=float,
+        default=600.0,
+        help="seconds an idle session keeps its KV blocks",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="grace period for requests in flight after SIGTERM",
+    )
+    parser.add_argument(
+        "--kv-transfer-host",
+        default=None,
+        help="address the P/D KV transport listens on and advertises (default: --host, or this "
+        "host's address when --host is 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--kv-transfer-port", type=int, default=0, help="KV transport port (0: any free port)"
+    )
+    parser.add_argument(
+        "--proxy-url", default=None, help="register with this Tandem proxy on start-up"
+    )
+    parser.add_argument(
+        "--proxy-api-key",
+        default=None,
+        help="the proxy's API key for registering (default: $TANDEM_PROXY_API_KEY)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from tandem.server.engine import LLMEngine
+    from tandem.server.engine.models.config import ModelConfig
+
+    from .app import build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.model is None:
+        from tandem.server.engine.tiny_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+        default_name = EMBEDDED_MODEL_NAME
+    else:
+        model_dir = args.model
+        default_name = Path(model_dir.rstrip("/")).name or model_dir
+    config = engine_config_from_args(
+        args, model_dir
+    )  # validates engine flags before anything loads
+    settings = settings_from_args(args, model_dir, default_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+
+    failed: list[BaseException] = []
+    server: _Server | None = None
+
+    def on_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(
+        settings,
+        lambda: LLMEngine(config),
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        on_engine_failure=on_failure,
+        kv_transfer_host=_transport_host(args),
+        kv_transfer_port=args.kv_transfer_port,
+        registration=_registration(args),
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(0.0, settings.shutdown_timeout) or None,
+        access_log=args.log_level == "debug",
+    )
+    server = _Server(uv_config)
+    state = app.state.tandem
+    state.shutdown = lambda: server.handle_exit(signal.SIGTERM, None)
+    server.on_exit_signal = lambda: setattr(state, "draining", True)
+    log.info(
+        "serving %s as %r on %s:%d (role %s)",
+        model_dir,
+        settings.served_model_name,
+        args.host,
+        args.port,
+        settings.role,
+    )
+    server.run()
+    return 1 if failed else 0
+
+
+def _registration(args: argparse.Namespace) -> ProxyRegistration | None:
+    from .app import ProxyRegistration
+
+    if not args.proxy_url:
+        return None
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else _transport_host(args)
+    return ProxyRegistration(
+        args.proxy_url,
+        f"http://{host}:{args.port}",
+        args.proxy_api_key or os.environ.get("TANDEM_PROXY_API_KEY"),
+    )
+
+
+def _transport_host(args: argparse.Namespace) -> str:
+    if args.kv_transfer_host:
+        return args.kv_transfer_host
+    if args.host not in ("0.0.0.0", "::", ""):
+        return args.host
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+    model_dir: str,
+    default_name: str,
+    environ: dict[str, str] | None = None,
+) -> ServerSettings:
+    """Server settings from the flags; the API key falls back to ``$TANDEM_API_KEY``."""
+    env = os.environ if environ is None else environ
+    return ServerSettings(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or default_name,
+        api_key=args.api_key or env.get("TANDEM_API_KEY") or None,
+        role=args.role,
+        max_waiting_requests=args.max_waiting_requests,
+        session_ttl=args.session_ttl,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, told to stop admitting the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.on_exit_signal: Callable[[], None] = lambda: None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.on_exit_signal()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after shutting down, which would make a graceful
+        # SIGTERM exit look like a kill (-15); a drained shutdown exits 0 instead.
+        captured = getattr(self, "_captured_signals", None)
+        if sig == signal.SIGTERM and captured and captured[-1] == sig:
+            captured.pop()

@@ -1,0 +1,86 @@
+"""What one server instance holds: its settings, engine loop, tokenizer and metrics.
+
+Kept on ``app.state.tandem`` so two apps in one process (tests) never share anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from .chat_history import ChatHistories
+from .engine_loop import READY, AsyncEngine
+from .errors import APIError
+from .metrics import ServerMetrics
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server-level knobs (not engine config): naming, auth, admission, sessions, shutdown."""
+
+    model_dir: str
+    served_model_name: str
+    api_key: str | None = None
+    role: str = "both"
+    max_waiting_requests: int | None = 256
+    session_ttl: float | None = 600.0
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if self.session_ttl is not None and self.session_ttl <= 0:
+            raise ValueError("session_ttl must be > 0")
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    engine: AsyncEngine
+    tokenizer: Any
+    vocab_size: int
+    metrics: ServerMetrics
+    started_at: float = field(default_factory=time.time)
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    histories: ChatHistories = field(default_factory=lambda: ChatHistories(None))
+    # Set by the process runner (serve_cli) so /terminate can stop the server.
+    shutdown: Callable[[], None] | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    def check_model(self, name: str | None) -> str:
+        """The ``model`` field may be the served name, ``default``, or left out; anything else is a 404."""
+        if name in (None, "", "default", self.settings.served_model_name):
+            return self.settings.served_model_name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves "
+            f"'{self.settings.served_model_name}'",
+            code="model_not_found",
+            param="model",
+        )
+
+    def check_admitting(self) -> None:
+        """503 while loading, failed, asleep or draining for shutdown."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        state = self.engine.state
+        if state != READY:
+            raise APIError(503, f"the engine is {state}; retry later", code=f"engine_{state}")
+        if self.engine.snapshot.is_sleeping:
+            raise APIError(503, "the engine is asleep; POST /wakeup first", code="engine_sleeping")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tandem

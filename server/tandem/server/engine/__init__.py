@@ -1,0 +1,20 @@
+"""The generation engine: paged KV cache, continuous batching, exact against HuggingFace."""
+
+from .config import EngineConfig
+from .llm import LLM
+from .llm_engine import EngineBusyError, EngineSleepingError, LLMEngine, PromptTooLongError
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import InvalidParamError, SamplingParams
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "InvalidParamError",
+    "PromptTooLongError",
+    "EngineSleepingError",
+    "EngineBusyError",
+]

@@ -1,0 +1,73 @@
+"""Engine configuration: validated once at the edge, frozen afterwards.
+
+The same field names are used by the CLI flags (``--block-size``), the CRD's
+``spec.engine`` (``blockSize``) and the Helm values, so one spec maps onto all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; raised before anything is loaded."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: Dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    # KV cache size: an explicit token count wins; otherwise a fraction of the device's free
+    # memory after the weights (on CPU: of available RAM, capped by max_kv_cache_bytes).
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    # P/D: how long a prefill engine holds blocks for a decode engine that never pulls them,
+    # and what a decode engine does when a pull fails (end the request, or prefill itself).
+    kv_lease_seconds: float = 30.0
+    kv_pull_fallback: Literal["error", "recompute"] = "error"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a positive power of two, got {self.block_size}",
+        )
+        _check(
+            self.kv_cache_tokens is None or self.kv_cache_tokens >= self.block_size,
+            f"kv_cache_tokens must hold at least one block ({self.block_size} tokens)",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(self.kv_lease_seconds > 0, "kv_lease_seconds must be positive")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"unknown dtype {self.dtype!r}",
+        )
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

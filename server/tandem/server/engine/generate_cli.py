@@ -1,0 +1,45 @@
+"""``tandem generate``: run prompts through the engine offline and print the completions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .engine_args import add_engine_arguments, engine_config_from_args
+from .llm import LLM
+from .sampling_params import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF-format model directory (default: the embedded tiny model)"
+    )
+    parser.add_argument(
+        "--prompt", action="append", required=True, help="a prompt; repeat for a batch"
+    )
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None)
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .tiny_model import default_model_dir
+
+    llm = LLM.from_config(engine_config_from_args(args, args.model or str(default_model_dir())))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
+    )
+    for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
+        print(
+            json.dumps(
+                {
+                    "prompt": prompt,
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                },
+                ensure_ascii=False,
+            )
+        )
+    return 0

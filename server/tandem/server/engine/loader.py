@@ -1,0 +1,175 @@
+"""Load a HuggingFace-format model directory into our model classes.
+
+Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, packs
+q/k/v and gate/up into their fused layers, converts to the target dtype, and ties the
+output embedding when the config says so. Under tensor parallelism each rank keeps only its
+slice: the rows of every packed shard (q, k, v, gate, up: split per shard, not over the
+packed tensor) and the input columns of the row-parallel layers (o_proj, down_proj); the
+rest (embeddings, norms, lm_head, row-parallel biases) is replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .models import family_of
+from .models.config import DTYPES, ModelConfig
+from .models.layers import PackedLinear, RowParallelLinear
+from .parallel import SINGLE, TensorParallel
+
+_PACKED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_PACKED_PARENT = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class ModelLoadError(ValueError):
+    """The directory is not a loadable model: a missing file, tensor or a shape that disagrees."""
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype on GPU, and float32 on CPU where half precision is slow."""
+    if requested != "auto":
+        return DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"no safetensors weights in {model_dir}")
+    return found
+
+
+# Weights that live in memory instead of files, by model directory (benchmarks on random weights).
+_IN_MEMORY: dict[Path, Mapping[str, torch.Tensor]] = {}
+
+
+def register_in_memory_weights(model_dir: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load ``model_dir`` (its config.json, tokenizer) with these tensors instead of its safetensors.
+
+    The tensors are copied into the model (converted and sharded as file weights are), so the
+    caller may free them after the engine is built. ``forget_in_memory_weights`` undoes it.
+    """
+    _IN_MEMORY[Path(model_dir).resolve()] = tensors
+
+
+def forget_in_memory_weights(model_dir: str | Path) -> None:
+    _IN_MEMORY.pop(Path(model_dir).resolve(), None)
+
+
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    in_memory = _IN_MEMORY.get(model_dir.resolve())
+    if in_memory is not None:
+        yield from in_memory.items()
+        return
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+) -> nn.Module:
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise ModelLoadError(f"{model_dir} has no config.json")
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = family_of(cfg.architecture)(cfg, tp)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.tie_weights()
+    _reset_buffers(model, cfg, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in _checkpoint_tensors(model_dir):
+        if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        loaded.add(_load_tensor(name, tensor, params, modules))
+    expected = {n for n in params if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    missing = expected - loaded
+    if missing:
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {sorted(missing)[:8]}")
+    return model.eval()
+
+
+def _load_tensor(
+    name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
+) -> str:
+    m = _PACKED.match(name)
+    if m is not None:
+        prefix, shard, kind = m.groups()
+        parent = f"{prefix}.{_PACKED_PARENT[shard]}"
+        layer = modules.get(parent)
+        if not isinstance(layer, PackedLinear):
+            raise ModelLoadError(f"unexpected tensor {name}")
+        offset, size = layer.shard_offsets[shard]
+        target = getattr(layer, kind)
+        _copy(
+            target.data[offset : offset + size],
+            _rank_slice(tensor, 0, layer.tp_rank, layer.tp_size, name),
+            name,
+        )
+        return f"{parent}.{kind}"
+    if name not in params:
+        raise ModelLoadError(f"unexpected tensor {name} in checkpoint")
+    owner = modules.get(name.rpartition(".")[0])
+    if isinstance(owner, RowParallelLinear) and name.endswith(".weight"):
+        tensor = _rank_slice(tensor, 1, owner.tp_rank, owner.tp_size, name)
+    _copy(params[name].data, tensor, name)
+    return name
+
+
+def _rank_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    """Rank ``rank``'s equal part of ``tensor`` along ``dim`` (the whole tensor with one rank)."""
+    if size == 1:
+        return tensor
+    if tensor.dim() <= dim or tensor.shape[dim] % size:
+        raise ModelLoadError(
+            f"tensor {name} of shape {tuple(tensor.shape)} cannot be split {size} ways "
+            f"along dim {dim}"
+        )
+    return tensor.narrow(dim, rank * (tensor.shape[dim] // size), tensor.shape[dim] // size)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(
+            f"tensor {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}"
+        )
+    dst.copy_(src.to(dst.dtype))
+
+
+def _reset_buffers(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
+    """Buffers were created on the meta device; compute the RoPE tables for real (in float32)."""
+    from .models.rope import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            real = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+            module.cos = real.cos.to(device)
+            module.sin = real.sin.to(device)

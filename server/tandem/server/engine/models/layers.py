@@ -1,0 +1,83 @@
+"""Building blocks shared by the decoder families."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import SINGLE, TensorParallel
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and casts back before the weight, in HuggingFace's order."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class PackedLinear(nn.Linear):
+    """A linear layer whose output rows pack several checkpoint tensors (q|k|v, gate|up).
+
+    One matmul instead of several; the loader fills each shard by name. Under tensor
+    parallelism it is column-parallel: ``shard_sizes`` are this rank's rows, and the loader
+    takes rank ``tp.rank``'s slice of each checkpoint tensor (split along its output rows).
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns are split across the TP ranks (o_proj, down_proj).
+
+    Each rank multiplies its slice of the input by its slice of the weight's columns; the
+    partial sums are all-reduced, and the (full, replicated) bias is added once afterwards.
+    With one rank it is a plain ``nn.Linear``.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(
+            tp.divide(in_features, "the row-parallel input size"), out_features, bias=bias
+        )
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class GatedMLP(nn.Module):
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__()
+        local = tp.divide(intermediate, "intermediate_size")
+        self.intermediate = local
+        self.gate_up_proj = PackedLinear(hidden, {"gate_proj": local, "up_proj": local}, bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,42 @@
+"""Tensor parallelism inside one pod: the process group a model shard reduces over.
+
+``TensorParallel`` is what the model layers see (rank, size, the group to all-reduce
+over); ``launch.py`` starts the ranks and carries each step from rank 0 to the others.
+With ``size == 1`` nothing here talks to ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split this way (heads or sizes not divisible by the TP size)."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the device group (NCCL on CUDA, gloo on CPU); None with size 1
+    cpu_group: Any = None  # a gloo group for Python objects (the step's inputs)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def divide(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise TensorParallelError(
+                f"{what} ({n}) is not divisible by tensor_parallel_size {self.size}"
+            )
+        return n // self.size
+
+
+SINGLE = TensorParallel()

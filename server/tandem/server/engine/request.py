@@ -1,0 +1,105 @@
+"""A request's state inside the engine: its tokens, its block table, how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the top alternatives, from the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. A request with ``n > 1`` becomes ``n`` of these (a group)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival_order: int
+    group_id: str
+    index: int = 0
+    stream: bool = False
+    session_id: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    # P/D: a prefill-role request keeps its blocks under a lease when it finishes; a
+    # decode-role request gets its prompt's K/V by a pull before it is scheduled.
+    remote_decode: bool = False
+    remote_prefill: Any = None  # tandem.server.disagg.kv_transfer.RemotePrefill
+    pull_in_flight: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Siblings of an n > 1 group are forked from this request once its prompt is computed.
+    pending_siblings: list[Request] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

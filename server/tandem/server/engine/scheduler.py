@@ -1,0 +1,130 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Each step has a token budget. Running requests go first, decodes before unfinished
+(chunked) prefills; then waiting requests are admitted in arrival order while the budget,
+``max_num_seqs`` and the free blocks allow. A prompt longer than what is left of the budget is
+split into chunks across steps. When a running request cannot grow, the newest running
+requests are preempted (their blocks freed, recomputed later, mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        decodes_first = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)
+        for req in decodes_first:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_uncomputed_tokens, budget)
+            if self._grow_or_preempt(req, n, batch):
+                batch.add(req, n)
+                budget -= n
+        return budget
+
+    def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        while not self.kv.allocate(req, n):
+            victim = self._newest_unscheduled(batch, exclude=req) or req
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _newest_unscheduled(self, batch: ScheduledBatch, exclude: Request) -> Request | None:
+        scheduled = {id(r) for r in batch.requests}
+        candidates = [r for r in self.running if r is not exclude and id(r) not in scheduled]
+        return max(candidates, key=lambda r: r.arrival_order, default=None)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if len(self.running) + 1 + len(req.pending_siblings) > self.max_num_seqs:
+                break
+            # A request that already holds blocks (a session's turn) starts after them.
+            prefix = None if req.block_ids else self.kv.find_cached_prefix(req)
+            start = (
+                len(prefix.block_ids) * self.kv.block_size if prefix else req.num_computed_tokens
+            )
+            n = min(req.num_tokens - start, budget)
+            if not self.kv.allocate(req, n, prefix):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+            budget -= n
+
+    def add_running(self, req: Request) -> None:
+        """Put a forked sibling straight into the running set; its shared blocks are already held."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request wherever it is and free its blocks at once."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        for sibling in req.pending_siblings:
+            sibling.status = status
+        req.pending_siblings = []

@@ -1,0 +1,104 @@
+"""Sessions: a conversation's KV blocks stay with it between turns.
+
+When a turn finishes, its blocks move into the session instead of back to the pool. The
+next turn takes them over as far as its prompt agrees with the tokens they hold, so only
+the new tokens are prefilled. A block is rewritten only when nobody else holds it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .prefix_cache import chain_hashes
+from .request import Request
+
+
+@dataclass
+class Session:
+    session_id: str
+    token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the blocks hold
+    block_ids: list[int] = field(default_factory=list)
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore:
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def attach(self, session_id: str, req: Request) -> None:
+        """Give ``req`` the session's blocks for the prefix it shares; free the rest."""
+        s = self._sessions.setdefault(session_id, Session(session_id))
+        s.busy = True
+        s.last_used = time.monotonic()
+        bs = self.kv.block_size
+        common = _common_prefix(s.token_ids, req.prompt_token_ids, limit=req.num_prompt_tokens - 1)
+        keep = -(-common // bs)
+        if common % bs and self.kv.pool.ref_count(s.block_ids[keep - 1]) > 1:
+            keep -= 1  # the partly matching block is shared: recompute it rather than overwrite it
+            common = keep * bs
+        if common % bs and self.kv.prefix_cache is not None:
+            self.kv.prefix_cache.evict(s.block_ids[keep - 1])  # its tail is about to change
+        self.kv.pool.free(s.block_ids[keep:])
+        req.block_ids = s.block_ids[:keep]
+        req.block_hashes = chain_hashes(req.prompt_token_ids[: (common // bs) * bs], bs)
+        req.num_computed_tokens = common
+        req.num_cached_tokens = common
+        s.token_ids, s.block_ids = [], []
+
+    def detach(self, session_id: str, req: Request, keep_blocks: bool) -> None:
+        """Take the finished request's blocks into the session; an aborted turn ends the session."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            self.kv.free(req)
+            return
+        if keep_blocks:
+            s.token_ids = req.token_slice(0, req.num_computed_tokens)
+            s.block_ids = req.block_ids
+            req.block_ids, req.block_hashes = [], []
+        else:
+            self.kv.free(req)  # an aborted turn: the session's history went with it
+            del self._sessions[session_id]
+            return
+        s.busy = False
+        s.last_used = time.monotonic()
+
+    def is_busy(self, session_id: str) -> bool:
+        s = self._sessions.get(session_id)
+        return s is not None and s.busy
+
+    def delete(self, session_id: str) -> bool:
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return False
+        if s.block_ids:
+            self.kv.pool.free(s.block_ids)
+        return True
+
+    def expire(self, idle_seconds: float) -> int:
+        cutoff = time.monotonic() - idle_seconds
+        stale = [sid for sid, s in self._sessions.items() if not s.busy and s.last_used < cutoff]
+        for sid in stale:
+            self.delete(sid)
+        return len(stale)
+
+    def clear(self) -> None:
+        for sid in [sid for sid, s in self._sessions.items() if not s.busy]:
+            self.delete(sid)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,510 @@
+"""``tandem up``: an InferenceService's proxy and engines as local processes, no cluster.
+
+It reads the same YAML the operator reads and asks the same pure ``plan()`` for the
+topology, so an InferenceService means the same engines (roles, replicas, flags) on a
+laptop as in a cluster. Only what is Kubernetes' job changes: ports are free loopback
+ports instead of pod IPs, the proxy finds the engines because they register with it
+(``--proxy-url``) instead of by watching pods, and the model is a local directory (the
+embedded tiny model when none is given) instead of a download into a volume.
+
+Every child runs in its own process group; Ctrl-C or SIGTERM stops them all (SIGTERM to
+each group, SIGKILL after a grace period), and so does any failure while starting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_NAME = "tandem-tiny"
+HOST = "127.0.0.1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-f",
+        "--file",
+        default=None,
+        help="InferenceService YAML (default: Disaggregated, 1 prefill + 1 decode, the tiny model)",
+    )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill replicas (overrides the spec)",
+    )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        metavar="M",
+        help="decode replicas (the engine pool's replicas in Aggregated mode)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="a local HF-format model directory (overrides spec.model.uri)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the proxy's port (0: any free port)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key from clients at the proxy (default: $TANDEM_PROXY_API_KEY)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="where each process's log goes (default: a new directory under the temp dir)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the engines may take to load before tandem up gives up",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL on stop"
+    )
+
+
+# ----- the plan ---------------------------------------------------------------------------------
+def default_spec(model_dir: str) -> dict[str, Any]:
+    """What ``tandem up`` runs without ``-f``: the P/D topology on the embedded tiny model, on CPU.
+
+    The proxy disaggregates every request here (threshold 0), however short: the tiny
+    model's prompts are all short, and the point of the default is to show the P/D path.
+    """
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": DEFAULT_NAME},
+        "spec": {
+            "mode": "Disaggregated",
+            "model": {"name": DEFAULT_NAME, "uri": model_dir},
+            "prefill": {"replicas": 1, "gpus": 0},
+            "decode": {"replicas": 1, "gpus": 0},
+            "proxy": {"extraArgs": ["--disagg-threshold", "0"]},
+        },
+    }
+
+
+class UpError(Exception):
+    """A problem with what ``tandem up`` was asked to run; the message says what to do."""
+
+
+def load_plan(args: argparse.Namespace) -> Any:
+    """The Topology to run: the spec (file or default), replica overrides, the local model."""
+    from tandem.operator.plan import plan
+    from tandem.operator.spec import load_inference_service
+
+    if args.file:
+        try:
+            text = Path(args.file).read_text()
+        except OSError as exc:
+            raise UpError(f"cannot read {args.file}: {exc.strerror}") from None
+        data = _yaml(text, args.file)
+    else:
+        data = default_spec(args.model or str(_tiny_model()))
+    spec = data.setdefault("spec", {}) if isinstance(data, dict) else None
+    if isinstance(spec, dict):
+        if args.prefill is not None:
+            if spec.get("mode", "Disaggregated") == "Aggregated":
+                raise UpError(
+                    "--prefill applies to Disaggregated mode; this InferenceService is Aggregated"
+                )
+            spec["prefill"] = {**(spec.get("prefill") or {}), "replicas": args.prefill}
+            spec["prefill"].pop("autoscaling", None)
+        if args.decode is not None:
+            spec["decode"] = {**(spec.get("decode") or {}), "replicas": args.decode}
+            spec["decode"].pop("autoscaling", None)
+    try:
+        isvc = load_inference_service(data)
+    except ValueError as exc:
+        raise UpError(str(exc)) from None
+    model_dir = args.model or local_model_dir(isvc.spec.model.uri)
+    if not (Path(model_dir) / "config.json").exists():
+        raise UpError(
+            f"no model at {model_dir} (no config.json): give an HF-format model directory"
+        )
+    topology = plan(isvc, model_dir=str(model_dir), discovery="static")
+    if not any(r.replicas > 0 and r.role in ("decode", "both") for r in topology.engines):
+        raise UpError("the plan has no decode or aggregated engine: nothing could answer requests")
+    return topology
+
+
+def local_model_dir(uri: str) -> str:
+    """The spec's model as a local directory; hf:// and pvc:// need what only a cluster has."""
+    if uri.startswith("hf://"):
+        raise UpError(
+            f"spec.model.uri is {uri}: tandem up does not download models (it must work offline). "
+            "Download it first (e.g. `huggingface-cli download ORG/REPO --local-dir DIR`) and run "
+            "`tandem up -f FILE --model DIR`, or set spec.model.uri to the directory's absolute path"
+        )
+    if uri.startswith("pvc://"):
+        raise UpError(
+            f"spec.model.uri is {uri}: a PersistentVolumeClaim exists only in a cluster; "
+            "pass --model DIR with a local copy"
+        )
+    return uri
+
+
+def _tiny_model() -> Path:
+    """The embedded tiny model, made once here so the engines do not race to make it."""
+    from tandem.server.engine.tiny_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _yaml(text: str, name: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UpError(f"{name} is not valid YAML: {exc}") from None
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ----- the processes ------------------------------------------------------------------------------
+@dataclass
+class Child:
+    """One process of the topology."""
+
+    name: str
+    role: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")
+        # A session of its own: the terminal's Ctrl-C reaches tandem up only, which then stops
+        # each child's whole group in order (tensor-parallel workers included).
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def signal(self, sig: int) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def build_children(
+    topology: Any,
+    proxy_port: int,
+    log_dir: Path,
+    api_key: str | None,
+    base_env: dict[str, str] | None = None,
+) -> list[Child]:
+    """The proxy first, then every engine replica, each with its own loopback port."""
+    env0 = dict(os.environ if base_env is None else base_env)
+    env0.setdefault("TOKENIZERS_PARALLELISM", "false")
+    engines = [r for r in topology.engines if r.replicas > 0]
+    n_engines = sum(r.replicas for r in engines)
+    # Engines on CPU share the cores: one BLAS pool per engine each the size of the machine
+    # would oversubscribe it many times over.
+    if "OMP_NUM_THREADS" not in env0:
+        env0["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, n_engines)))
+    proxy_url = f"http://{HOST}:{proxy_port}"
+    exe = [sys.executable, "-m", "tandem.server.cli"]
+    proxy_plan = topology.role("proxy")
+    proxy_args = list(proxy_plan.args) if proxy_plan is not None else ["proxy"]
+    proxy_env = dict(env0)
+    proxy_env.pop("TANDEM_PROXY_API_KEY", None)
+    children = [
+        Child(
+            "proxy",
+            "proxy",
+            proxy_port,
+            [
+                *exe,
+                *proxy_args,
+                "--host",
+                HOST,
+                "--port",
+                str(proxy_port),
+                *(["--api-key", api_key] if api_key else []),
+                # engines that inherit $TANDEM_API_KEY require it: the proxy sends it
+                *(
+                    ["--engine-api-key", env0["TANDEM_API_KEY"]]
+                    if env0.get("TANDEM_API_KEY")
+                    else []
+                ),
+            ],
+            proxy_env,
+            log_dir / "proxy.log",
+        )
+    ]
+    gpus = _gpu_plan(engines)
+    for r in engines:
+        for i in range(r.replicas):
+            port = free_port()
+            env = {**env0, **r.env}
+            if (devices := gpus.get((r.name, i))) is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+            argv = [
+                *exe,
+                *r.args,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--proxy-url",
+                proxy_url,
+                *(["--proxy-api-key", api_key] if api_key else []),
+            ]
+            children.append(
+                Child(f"{r.name}-{i}", r.role, port, argv, env, log_dir / f"{r.name}-{i}.log")
+            )
+    return children
+
+
+def _gpu_plan(engines: list[Any]) -> dict[tuple[str, int], str]:
+    """Give each replica its own GPUs (``CUDA_VISIBLE_DEVICES``) when the machine has them."""
+    want = sum(r.gpus * r.replicas for r in engines)
+    if want == 0 or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return {}
+    try:
+        import torch
+
+        have = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch CUDA: CPU engines
+        have = 0
+    if have == 0:
+        return {}
+    if want > have:
+        print(
+            f"tandem up: the spec asks for {want} GPUs and this machine has {have}; replicas will share them",
+            file=sys.stderr,
+        )
+    out: dict[tuple[str, int], str] = {}
+    next_gpu = 0
+    for r in engines:
+        for i in range(r.replicas):
+            ids = [(next_gpu + k) % have for k in range(max(1, r.gpus))]
+            next_gpu += max(1, r.gpus)
+            out[(r.name, i)] = ",".join(map(str, ids))
+    return out
+
+
+def stop_children(children: list[Child], grace: float) -> None:
+    """SIGTERM every group (engines first, so they drain and deregister while the proxy is
+    still there), then SIGKILL whatever is left after ``grace`` seconds."""
+    engines = [c for c in children if c.role != "proxy"]
+    proxies = [c for c in children if c.role == "proxy"]
+    for c in engines:
+        c.signal(signal.SIGTERM)
+    _wait_exit(engines, grace)
+    for c in proxies:
+        c.signal(signal.SIGTERM)
+    _wait_exit(proxies, min(grace, 5.0))
+    for c in children:
+        if c.exited() is None:
+            c.signal(signal.SIGKILL)
+    for c in children:
+        if c.proc is not None:
+            try:
+                c.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        c.close_log()
+
+
+def _wait_exit(children: list[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(c.exited() is None for c in children):
+        time.sleep(0.1)
+
+
+def wait_ready(children: list[Child], timeout: float, stop: threading.Event, out: TextIO) -> None:
+    """Until every engine answers /health 200 and the proxy lists each as healthy.
+
+    Raises UpError if a child exits or time runs out; returns early if ``stop`` is set.
+    """
+    import httpx
+
+    proxy = next(c for c in children if c.role == "proxy")
+    engines = [c for c in children if c.role != "proxy"]
+    headers = {}
+    for i, a in enumerate(proxy.argv):
+        if a == "--api-key" and i + 1 < len(proxy.argv):
+            headers["Authorization"] = f"Bearer {proxy.argv[i + 1]}"
+    deadline = time.monotonic() + timeout
+    ready: set[str] = set()
+    with httpx.Client(timeout=3.0) as client:
+        while not stop.is_set():
+            for c in children:
+                if (code := c.exited()) is not None:
+                    raise UpError(
+                        f"{c.name} exited with status {code} while starting; the end of its log "
+                        f"({c.log_path}):\n{c.log_tail()}"
+                    )
+            for c in engines:
+                if c.name in ready:
+                    continue
+                try:
+                    if client.get(c.url + "/health").status_code == 200:
+                        ready.add(c.name)
+                        print(f"  {c.name} ready on {c.url}", file=out, flush=True)
+                except httpx.HTTPError:
+                    pass
+            if len(ready) == len(engines):
+                try:
+                    nodes = client.get(proxy.url + "/nodes/status", headers=headers).json()
+                    if all(nodes.get(c.url, {}).get("healthy") for c in engines):
+                        return
+                except (httpx.HTTPError, ValueError):
+                    pass
+            if time.monotonic() > deadline:
+                missing = [c.name for c in engines if c.name not in ready] or [
+                    "the proxy's registry"
+                ]
+                raise UpError(
+                    f"not ready after {timeout:.0f}s: {', '.join(missing)} (logs in "
+                    f"{proxy.log_path.parent})"
+                )
+            stop.wait(0.3)
+
+
+# ----- the command ------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    try:
+        topology = load_plan(args)
+    except UpError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None
+    try:
+        proxy_port = free_port() if args.port == 0 else _check_port(args.port)
+    except UpError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    log_dir = (
+        Path(args.log_dir)
+        if args.log_dir
+        else Path(tempfile.mkdtemp(prefix=f"tandem-up-{topology.name}-"))
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = build_children(topology, proxy_port, log_dir, api_key)
+
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    engines = [c for c in children if c.role != "proxy"]
+    counts = ", ".join(
+        f"{sum(1 for c in engines if c.role == role)} {role}"
+        for role in ("prefill", "decode", "both")
+        if any(c.role == role for c in engines)
+    )
+    print(
+        f"tandem up: {topology.name} ({topology.mode}: {counts}) serving '{topology.served_model_name}'; "
+        f"logs in {log_dir}",
+        file=out,
+        flush=True,
+    )
+    code = 0
+    try:
+        for c in children:
+            c.start()
+        try:
+            wait_ready(children, args.startup_timeout, stop, out)
+        except UpError as exc:
+            print(f"tandem up: {exc}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
+        base = f"http://{HOST}:{proxy_port}/v1"
+        print(
+            f"\nOpenAI base URL: {base}\n"
+            f"  curl {base}/chat/completions -H 'Content-Type: application/json'"
+            f"{' -H ' + repr('Authorization: Bearer ' + api_key) if api_key else ''} \\\n"
+            f'    -d \'{{"model": "{topology.served_model_name}", "messages": '
+            f'[{{"role": "user", "content": "Hello"}}]}}\'\n'
+            f"Press Ctrl-C to stop.",
+            file=out,
+            flush=True,
+        )
+        proxy = children[0]
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            if (rc := proxy.exited()) is not None:
+                print(
+                    f"tandem up: the proxy exited with status {rc}:\n{proxy.log_tail()}",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
+            for c in engines:
+                if c.name not in reported and (rc := c.exited()) is not None:
+                    reported.add(c.name)
+                    print(
+                        f"tandem up: {c.name} exited with status {rc} (the proxy routes around it; log: "
+                        f"{c.log_path})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        return code
+    finally:
+        print("tandem up: stopping", file=out, flush=True)
+        stop_children(children, args.grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _check_port(port: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            raise UpError(
+                f"port {port} on {HOST} is in use; pick another with --port (0: any free port)"
+            ) from None
+    return port

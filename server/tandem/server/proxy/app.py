@@ -1,0 +1,489 @@
+"""The proxy's FastAPI app: OpenAI routes in front, LMDeploy's node and DistServe routes beside.
+
+Everything the app holds (registry, routing state, HTTP client, counters) lives on
+``app.state.proxy``, so two proxies in one process (tests) share nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.server.api.auth import APIKeyMiddleware
+
+from .pd_flow import FlowConfig, PDFlow, ProxyError, error_body
+from .registry import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    ROLE_IDS,
+    HealthPoller,
+    Registry,
+    normalize_url,
+    parse_role,
+)
+
+log = logging.getLogger("tandem.proxy")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class ProxySettings:
+    """Everything ``tandem proxy`` configures; the app factory's one argument."""
+
+    api_key: str | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    static_nodes: list[tuple[str, str]] = field(default_factory=list)  # (url, role)
+    health_interval: float = 2.0
+    dead_threshold: int = 3
+    startup_grace: float = 600.0
+    # Started with the app, stopped with it: e.g. Kubernetes discovery. Gets the registry.
+    discovery: Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None = None
+
+
+@dataclass
+class ProxyState:
+    settings: ProxySettings
+    registry: Registry
+    flow: PDFlow
+    client: httpx.AsyncClient
+    poller: HealthPoller
+    started_at: float = field(default_factory=time.time)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def get_state(request: Request) -> ProxyState:
+    return request.app.state.proxy
+
+
+def build_app(settings: ProxySettings) -> FastAPI:
+    """One proxy. Engines join through ``settings.static_nodes``, ``POST /nodes/add`` or discovery."""
+    registry = Registry(
+        dead_threshold=settings.dead_threshold, startup_grace=settings.startup_grace
+    )
+    for url, role in settings.static_nodes:
+        registry.add(url, role, None, source="static")
+    client = httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        timeout=httpx.Timeout(settings.flow.request_timeout, connect=settings.flow.connect_timeout),
+    )
+    flow = PDFlow(registry, client, settings.flow)
+    engine_headers = flow.headers
+    poller = HealthPoller(
+        registry, client, interval=settings.health_interval, headers=engine_headers
+    )
+    state = ProxyState(
+        settings=settings, registry=registry, flow=flow, client=client, poller=poller
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await poller.poll_once()
+        task = asyncio.create_task(poller.run())
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.discovery is not None:
+                await stack.enter_async_context(settings.discovery(registry))
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await flow.aclose()
+                await client.aclose()
+
+    app = FastAPI(
+        title="Tandem proxy",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="One OpenAI endpoint over prefill, decode and aggregated Tandem engines.",
+    )
+    app.state.proxy = state
+    _install_error_handlers(app)
+    _add_openai_routes(app)
+    _add_node_routes(app)
+    _add_ops_routes(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(
+            error_body(
+                f"internal error: {type(exc).__name__}",
+                type="internal_error",
+                code="internal_error",
+            ),
+            status_code=500,
+        )
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError as exc:
+        raise ProxyError(
+            400,
+            f"the request body is not valid JSON: {exc}",
+            type="invalid_request_error",
+            code="invalid_json",
+        ) from exc
+    if not isinstance(body, dict):
+        raise ProxyError(
+            400,
+            "the request body must be a JSON object",
+            type="invalid_request_error",
+            code="invalid_value",
+        )
+    return body
+
+
+def _add_openai_routes(app: FastAPI) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
+        body = await _json_body(request)
+        return await get_state(request).flow.handle("chat", body, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        return await get_state(request).flow.handle("completions", body, request)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> Response:
+        """Free a session's blocks on the engine holding it (every decode engine if unknown)."""
+        state = get_state(request)
+        flow = state.flow
+        held = flow.sessions.get(session_id)
+        urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
+        last: Response = JSONResponse(
+            error_body(
+                f"session {session_id!r} does not exist",
+                type="not_found_error",
+                code="session_not_found",
+                param="session_id",
+            ),
+            status_code=404,
+        )
+        for url in urls:
+            try:
+                r = await state.client.delete(
+                    f"{url}/v1/sessions/{session_id}", headers=flow.headers, timeout=10.0
+                )
+            except httpx.HTTPError:
+                continue
+            if r.status_code < 400:
+                flow.sessions.forget(session_id)
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return last
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        """Every model some healthy engine serves."""
+        state = get_state(request)
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": state.created, "owned_by": "tandem"}
+                for m in state.registry.models()
+            ],
+        }
+
+
+def _add_node_routes(app: FastAPI) -> None:
+    def node_fields(body: dict[str, Any]) -> tuple[str, str, list[str] | None]:
+        url = body.get("url")
+        if not isinstance(url, str) or not url.strip():
+            raise ProxyError(
+                400,
+                "'url' is a required property",
+                type="invalid_request_error",
+                code="invalid_value",
+                param="url",
+            )
+        status = body.get("status") or {}
+        if not isinstance(status, dict):
+            raise ProxyError(
+                400,
+                "'status' must be an object",
+                type="invalid_request_error",
+                code="invalid_value",
+                param="status",
+            )
+        role = status.get("role", body.get("role"))
+        try:
+            role_name = parse_role(role)
+        except ValueError as exc:
+            raise ProxyError(
+                400,
+                str(exc),
+                type="invalid_request_error",
+                code="invalid_value",
+                param="status.role",
+            ) from exc
+        models = status.get("models", body.get("models"))
+        if models is not None and not (
+            isinstance(models, list) and all(isinstance(m, str) for m in models)
+        ):
+            raise ProxyError(
+                400,
+                "'models' must be a list of strings",
+                type="invalid_request_error",
+                code="invalid_value",
+                param="status.models",
+            )
+        return normalize_url(url), role_name, models
+
+    @app.post("/nodes/add")
+    async def add_node(request: Request) -> dict[str, Any]:
+        """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
+        state = get_state(request)
+        url, role, models = node_fields(await _json_body(request))
+        node = state.registry.add(url, role, models, source="registered")
+        await state.poller.probe(url)
+        return {
+            "url": node.url,
+            "role": node.role_id,
+            "role_name": node.role,
+            "healthy": node.healthy,
+        }
+
+    @app.post("/nodes/remove")
+    async def remove_node(request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        url, _, _ = node_fields({"status": {}, **(await _json_body(request))})
+        node = state.registry.remove(url)
+        return {"url": url, "removed": node is not None}
+
+    @app.get("/nodes/status")
+    async def node_status(request: Request) -> dict[str, Any]:
+        """``{url: status}`` as LMDeploy's proxy answers, with health and load added."""
+        return {n.url: n.status() for n in get_state(request).registry.nodes()}
+
+    async def terminate(state: ProxyState, url: str) -> dict[str, Any]:
+        node = state.registry.remove(url)
+        try:
+            r = await state.client.get(url + "/terminate", headers=state.flow.headers, timeout=10.0)
+            ok, detail = r.status_code < 400, r.text[:200]
+        except httpx.HTTPError as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        return {"url": url, "was_registered": node is not None, "terminated": ok, "detail": detail}
+
+    @app.post("/nodes/terminate")
+    async def terminate_node(request: Request) -> dict[str, Any]:
+        """Stop one engine (its ``/terminate``: drain, then exit) and drop it."""
+        state = get_state(request)
+        url, _, _ = node_fields({"status": {}, **(await _json_body(request))})
+        return await terminate(state, url)
+
+    @app.api_route("/nodes/terminate_all", methods=["GET", "POST"])
+    async def terminate_all(request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        results = await asyncio.gather(*(terminate(state, n.url) for n in state.registry.nodes()))
+        return {"terminated": list(results)}
+
+    @app.post("/distserve/connection_warmup")
+    async def connection_warmup(request: Request) -> JSONResponse:
+        """Have every decode engine connect to every prefill engine now (``p2p_connect``),
+        so the first request pays no handshake and a KV layout mismatch shows up here."""
+        state = get_state(request)
+        return await _warmup(state)
+
+    @app.post("/distserve/gc")
+    async def gc(request: Request) -> dict[str, Any]:
+        """Sweep expired leases on every prefill engine."""
+        state = get_state(request)
+        nodes = state.registry.routable(PREFILL_ROLES)
+
+        async def one(url: str) -> dict[str, Any]:
+            try:
+                r = await state.client.post(
+                    url + "/distserve/gc", headers=state.flow.headers, timeout=10.0
+                )
+                return {"url": url, "status": r.status_code}
+            except httpx.HTTPError as exc:
+                return {"url": url, "error": f"{type(exc).__name__}: {exc}"}
+
+        return {"results": list(await asyncio.gather(*(one(n.url) for n in nodes)))}
+
+
+async def _warmup(state: ProxyState) -> JSONResponse:
+    client, headers = state.client, state.flow.headers
+    prefills = state.registry.routable(PREFILL_ROLES)
+    decodes = state.registry.routable(DECODE_ROLES)
+    results: list[dict[str, Any]] = []
+
+    async def info(url: str) -> dict[str, Any] | str:
+        try:
+            r = await client.get(url + "/distserve/engine_info", headers=headers, timeout=10.0)
+            return (
+                r.json()
+                if r.status_code == 200
+                else f"engine_info answered {r.status_code}: {r.text[:200]}"
+            )
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def connect(p_url: str, p_info: dict[str, Any], d_url: str) -> dict[str, Any]:
+        body = {
+            "remote_engine_id": p_info.get("engine_id"),
+            "remote_engine_endpoint_info": {
+                "zmq_address": (p_info.get("transport") or {}).get("address")
+                or p_info.get("address")
+            },
+            "remote_engine_url": p_url,
+        }
+        try:
+            r = await client.post(
+                d_url + "/distserve/p2p_connect", json=body, headers=headers, timeout=30.0
+            )
+            ok = r.status_code < 400
+            return {
+                "prefill": p_url,
+                "decode": d_url,
+                "ok": ok,
+                "status": r.status_code,
+                **({} if ok else {"error": r.text[:300]}),
+            }
+        except httpx.HTTPError as exc:
+            return {
+                "prefill": p_url,
+                "decode": d_url,
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+
+    infos = await asyncio.gather(*(info(p.url) for p in prefills))
+    jobs = []
+    for p, p_info in zip(prefills, infos):
+        if isinstance(p_info, str):
+            results.extend(
+                {"prefill": p.url, "decode": d.url, "ok": False, "error": p_info} for d in decodes
+            )
+            continue
+        jobs.extend(connect(p.url, p_info, d.url) for d in decodes if d.url != p.url)
+    results.extend(await asyncio.gather(*jobs))
+    ok = all(r["ok"] for r in results)
+    return JSONResponse({"ok": ok, "connections": results}, status_code=200 if ok else 502)
+
+
+def _add_ops_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """200 when some decode or aggregated engine can take requests, else 503."""
+        state = get_state(request)
+        nodes = state.registry.nodes()
+        by_role = {role: sum(1 for n in nodes if n.healthy and n.role == role) for role in ROLE_IDS}
+        ready = any(n.healthy and n.role in DECODE_ROLES for n in nodes)
+        body = {
+            "status": "ok" if ready else "no_engines",
+            "nodes": len(nodes),
+            "healthy_nodes": by_role,
+            "uptime_seconds": round(time.time() - state.started_at, 3),
+            "in_flight": sum(n.inflight for n in nodes),
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text: requests by route/mode/status, failures, fallbacks, nodes."""
+        reg = CollectorRegistry()
+        reg.register(_ProxyCollector(get_state(request)))
+        return Response(generate_latest(reg), media_type=CONTENT_TYPE)
+
+
+class _ProxyCollector(Collector):
+    """The proxy's counters and node gauges, read at scrape time."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | SummaryMetricFamily]:
+        stats = self.state.flow.stats
+        c = CounterMetricFamily(
+            "tandem_proxy_requests",
+            "Requests answered, by route, mode and status",
+            labels=["route", "mode", "status"],
+        )
+        for (route, mode, status), n in sorted(stats.requests.items()):
+            c.add_metric([route, mode, str(status)], n)
+        yield c
+        for name, doc, value in [
+            (
+                "tandem_proxy_prefill_failures",
+                "Prefill steps that failed and were retried elsewhere",
+                stats.prefill_failures,
+            ),
+            ("tandem_proxy_decode_failures", "Decode steps that failed", stats.decode_failures),
+            (
+                "tandem_proxy_lease_releases",
+                "Prefill leases released by the proxy",
+                stats.lease_releases,
+            ),
+            (
+                "tandem_proxy_aggregated_fallbacks",
+                "Disaggregated requests served on one engine instead",
+                stats.fallbacks_aggregated,
+            ),
+            (
+                "tandem_proxy_client_disconnects",
+                "Clients that left before their answer",
+                stats.client_disconnects,
+            ),
+        ]:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield SummaryMetricFamily(
+            "tandem_proxy_request_seconds",
+            "Time to the start of the response",
+            count_value=stats.latency_count,
+            sum_value=stats.latency_sum,
+        )
+        nodes = self.state.registry.nodes()
+        g = GaugeMetricFamily(
+            "tandem_proxy_nodes", "Known engines, by role and health", labels=["role", "healthy"]
+        )
+        for role in ROLE_IDS:
+            for healthy in (True, False):
+                g.add_metric(
+                    [role, str(healthy).lower()],
+                    sum(1 for n in nodes if n.role == role and n.healthy == healthy),
+                )
+        yield g
+        g = GaugeMetricFamily(
+            "tandem_proxy_in_flight", "Requests the proxy has open, by engine", labels=["node"]
+        )
+        for n in nodes:
+            g.add_metric([n.url], n.inflight)
+        yield g

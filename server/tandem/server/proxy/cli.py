@@ -1,0 +1,147 @@
+"""``tandem proxy``: the OpenAI front door over prefill, decode and aggregated engines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .pd_flow import FlowConfig
+from .routing import POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' from clients (default: $TANDEM_PROXY_API_KEY)",
+    )
+    parser.add_argument(
+        "--engine-api-key",
+        default=None,
+        help="the key the engines require (default: $TANDEM_ENGINE_API_KEY; none if unset)",
+    )
+    parser.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="URL[=ROLE]",
+        help="a static engine (repeatable); ROLE is both (default), prefill or decode",
+    )
+    parser.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        default="static",
+        help="kubernetes: watch engine pods labelled tandem.dev/role",
+    )
+    parser.add_argument(
+        "--namespace", default=None, help="pods' namespace (default: this pod's, else 'default')"
+    )
+    parser.add_argument(
+        "--selector", default="tandem.dev/role", help="label selector for engine pods"
+    )
+    parser.add_argument(
+        "--disagg-threshold",
+        type=int,
+        default=32,
+        help="prompts whose uncached part is estimated under this many tokens skip the prefill "
+        "engine (0: disaggregate everything)",
+    )
+    parser.add_argument(
+        "--policy",
+        "--routing-policy",
+        dest="policy",
+        choices=POLICIES,
+        default="score",
+        help="score: prefix affinity minus load; least_load; round_robin",
+    )
+    parser.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between /health polls"
+    )
+    parser.add_argument(
+        "--dead-threshold",
+        type=int,
+        default=3,
+        help="failed polls in a row after which a registered node is dropped",
+    )
+    parser.add_argument(
+        "--startup-grace",
+        type=float,
+        default=600.0,
+        help="seconds a registered node that never answered /health is kept (model loading)",
+    )
+    parser.add_argument(
+        "--max-attempts", type=int, default=3, help="engines tried per step before giving up"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds an engine may take to answer"
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def _namespace(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import ProxySettings, build_app
+    from .discovery import kubernetes_discovery, parse_node_flag
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        nodes = [parse_node_flag(v) for v in args.node]
+    except ValueError as exc:
+        logging.getLogger("tandem.proxy").error("bad --node: %s", exc)
+        return 2
+    flow = FlowConfig(
+        disagg_threshold=args.disagg_threshold,
+        policy=args.policy,
+        engine_api_key=args.engine_api_key or os.environ.get("TANDEM_ENGINE_API_KEY") or None,
+        max_attempts=max(1, args.max_attempts),
+        request_timeout=args.request_timeout,
+    )
+    discovery = (
+        kubernetes_discovery(_namespace(args.namespace), args.selector)
+        if args.discovery == "kubernetes"
+        else None
+    )
+    settings = ProxySettings(
+        api_key=args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None,
+        flow=flow,
+        static_nodes=nodes,
+        health_interval=args.health_interval,
+        dead_threshold=args.dead_threshold,
+        startup_grace=args.startup_grace,
+        discovery=discovery,
+    )
+    app = build_app(settings)
+    logging.getLogger("tandem.proxy").info(
+        "proxy on %s:%d with %d static node(s), discovery %s",
+        args.host,
+        args.port,
+        len(nodes),
+        args.discovery,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,681 @@
+"""One client request through the proxy: route it, then run it aggregated or as prefill -> decode.
+
+The two-step flow (docs/proxy.md, "The two-step flow"):
+
+1. the prefill engine P gets the request with ``max_tokens: 1``, ``stream: false`` and
+   ``kv_transfer_params: {do_remote_decode: true}``; it answers the first token and a lease
+   on the KV blocks it keeps for the decode side;
+2. the decode engine D gets the client's original request plus P's ``kv_transfer_params``
+   (and P's URL); it pulls the blocks, releases P's lease and answers as any engine would,
+   streamed or not. The proxy passes D's answer through untouched, chunk by chunk.
+
+Failure rules, so that no engine holds blocks for nobody:
+
+- a client that goes away cancels the upstream HTTP request of whichever step is running;
+  the engine sees its client disconnect and aborts the request (freeing its blocks);
+- when the decode step ends without D having answered anything (connect error, an error
+  status, the client gone), the proxy releases P's lease itself (``/distserve/free_cache``);
+  a D that dies after it answered has pulled already, and P's lease expiry covers the rest;
+- a prefill engine that cannot be reached or fails (5xx) is marked unhealthy and the next
+  one is tried; when none is left the request runs aggregated on the decode side;
+- a decode engine that cannot be reached is marked unhealthy and the request runs
+  aggregated on another one; one that dies mid-answer ends the request with a clear error
+  (HTTP 502, or an error event in a stream: the tokens already sent cannot be unsent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from . import routing
+from .registry import DECODE_ROLES, PREFILL_ROLES, Node, Registry
+
+log = logging.getLogger("tandem.proxy")
+
+T = TypeVar("T")
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+DISCONNECT_POLL_S = 0.2
+# Statuses after which the same request may succeed on another engine (nothing ran there).
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+class ProxyError(Exception):
+    """An error the proxy answers with, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(
+    message: str, *, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "code": code, "param": param}}
+
+
+class ClientGone(Exception):
+    """The client disconnected while the proxy waited on an engine."""
+
+
+@dataclass
+class FlowConfig:
+    """The proxy's routing and retry knobs (``tandem proxy`` flags)."""
+
+    disagg_threshold: int = 32
+    policy: str = "score"
+    engine_api_key: str | None = None
+    max_attempts: int = 3  # engines tried per step before giving up on that step
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+
+
+@dataclass
+class FlowStats:
+    """Counters the proxy's /metrics reports; plain ints, owned by one app."""
+
+    requests: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (route, mode, status)
+    prefill_failures: int = 0
+    decode_failures: int = 0
+    lease_releases: int = 0
+    fallbacks_aggregated: int = 0
+    client_disconnects: int = 0
+    latency_sum: float = 0.0
+    latency_count: int = 0
+
+    def count(self, route: str, mode: str, status: int) -> None:
+        key = (route, mode, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving, whatever ASGI spec
+    version the server reports, so the upstream stream is closed (and the engine aborts)
+    at once rather than at the next chunk."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+class PDFlow:
+    """Routes and runs requests; one per proxy app."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        config: FlowConfig,
+        prefix: routing.PrefixIndex | None = None,
+        sessions: routing.SessionTable | None = None,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.config = config
+        self.prefix = prefix or routing.PrefixIndex()
+        self.sessions = sessions or routing.SessionTable()
+        self.stats = FlowStats()
+        self._turn = routing.round_robin_counter()
+        self._background: set[asyncio.Task] = set()
+        registry.on_remove(lambda n: (self.prefix.forget(n.url), self.sessions.forget_node(n.url)))
+
+    # --- helpers ----------------------------------------------------------------------------
+    @property
+    def headers(self) -> dict[str, str]:
+        return (
+            {"Authorization": f"Bearer {self.config.engine_api_key}"}
+            if self.config.engine_api_key
+            else {}
+        )
+
+    def _timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
+
+    def _candidates(self, nodes: list[Node], chunks: list[bytes]) -> list[routing.Candidate]:
+        return [
+            routing.Candidate(n.url, n.load, self.prefix.matched_tokens(n.url, chunks))
+            for n in nodes
+        ]
+
+    def _pick(
+        self, nodes: list[Node], chunks: list[bytes], prompt_tokens: int
+    ) -> tuple[Node, int] | None:
+        """The best node and the prompt tokens it likely has cached."""
+        c = routing.pick(
+            self._candidates(nodes, chunks), prompt_tokens, self.config.policy, next(self._turn)
+        )
+        if c is None:
+            return None
+        return next(n for n in nodes if n.url == c.url), c.cached_tokens
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(aw)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        for t in list(self._background):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(t, 2.0)
+
+    async def free_cache(self, prefill: Node | str, kv: dict[str, Any]) -> None:
+        """Release a prefill engine's lease (best effort: the lease expires anyway)."""
+        url = prefill if isinstance(prefill, str) else prefill.url
+        body = {
+            "remote_engine_id": kv.get("remote_engine_id"),
+            "remote_lease_id": kv.get("remote_lease_id"),
+        }
+        self.stats.lease_releases += 1
+        try:
+            r = await self.client.post(
+                url + "/distserve/free_cache", json=body, headers=self.headers, timeout=10.0
+            )
+            if r.status_code >= 400:
+                log.debug("free_cache on %s answered %d: %s", url, r.status_code, r.text[:200])
+        except httpx.HTTPError as exc:
+            log.info("free_cache on %s failed (%s); the lease expires on its own", url, exc)
+
+    # --- entry point ------------------------------------------------------------------------
+    async def handle(self, kind: str, body: dict[str, Any], request: Request) -> Response:
+        """Serve one ``/v1/chat/completions`` (kind "chat") or ``/v1/completions`` request."""
+        start = time.monotonic()
+        mode = "direct"
+        try:
+            response, mode = await self._handle(kind, body, request)
+        except ProxyError as err:
+            response = err.response()
+        except ClientGone:
+            self.stats.client_disconnects += 1
+            response = JSONResponse(
+                error_body("client disconnected", type="client_disconnected"), status_code=499
+            )
+        self.stats.count(kind, mode, response.status_code)
+        self.stats.latency_sum += time.monotonic() - start
+        self.stats.latency_count += 1
+        return response
+
+    async def _handle(
+        self, kind: str, body: dict[str, Any], request: Request
+    ) -> tuple[Response, str]:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ProxyError(
+                400,
+                "'model' must be a string",
+                type="invalid_request_error",
+                code="invalid_value",
+                param="model",
+            )
+        decoders = self.registry.routable(DECODE_ROLES, model)
+        if not decoders:
+            self._raise_unroutable(model)
+        text = routing.prompt_text(kind, body)
+        chunks = routing.chunk_hashes(text, self.prefix.chunk_chars)
+        prompt_tokens = routing.estimate_tokens(kind, body, text)
+
+        session = body.get("session_id")
+        session_key = str(session) if session not in (None, "", -1) else None
+        if session_key is not None:
+            sticky = self.sessions.get(session_key)
+            held = next((n for n in decoders if n.url == sticky), None)
+            if held is not None:
+                return await self.forward(
+                    held, kind, body, request, chunks, decoders, session_key
+                ), "session"
+        picked = self._pick(decoders, chunks, prompt_tokens)
+        assert picked is not None
+        decode, cached = picked
+        prefillers = self.registry.routable(PREFILL_ROLES, model)
+        why_not = routing.disaggregatable(kind, body)
+        if session_key is not None:
+            why_not = "session"  # a session's blocks stay on the engine that holds it
+        if (
+            prefillers
+            and why_not is None
+            and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
+        ):
+            return await self.disaggregated(
+                kind, body, request, chunks, prompt_tokens, prefillers, decode, decoders
+            )
+        return await self.forward(
+            decode, kind, body, request, chunks, decoders, session_key
+        ), "direct"
+
+    def _raise_unroutable(self, model: str | None) -> None:
+        nodes = self.registry.nodes()
+        if model not in (None, "", "default") and nodes and not any(n.serves(model) for n in nodes):
+            served = sorted({m for n in nodes for m in n.models})
+            raise ProxyError(
+                404,
+                f"The model '{model}' does not exist; this proxy serves "
+                f"{', '.join(repr(m) for m in served) or 'no model yet'}",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        raise ProxyError(
+            503,
+            "no engine is available to serve this request (no healthy decode or aggregated "
+            "engine" + (f" for model {model!r}" if model else "") + ")",
+            type="service_unavailable",
+            code="no_engine_available",
+        )
+
+    # --- aggregated: one engine serves the whole request ---------------------------------------
+    async def forward(
+        self,
+        first: Node,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        chunks: list[bytes],
+        alternatives: list[Node],
+        session_key: str | None = None,
+    ) -> Response:
+        """Send the request as is to ``first``; on a connect failure or a retryable status,
+        to the next best of ``alternatives``."""
+        tried: set[str] = set()
+        node: Node | None = first
+        last_error = "no engine tried"
+        while node is not None and len(tried) < self.config.max_attempts:
+            tried.add(node.url)
+            try:
+                resp = await self._open(node, kind, body, request)
+            except _Unreachable as exc:
+                last_error = str(exc)
+                self.registry.record_failure(node.url, last_error)
+            else:
+                if resp.status_code in RETRYABLE_STATUS:
+                    last_error = f"{node.url} answered {resp.status_code}"
+                    await resp.aclose()
+                else:
+                    self.prefix.record(node.url, chunks)
+                    if session_key is not None and resp.status_code < 400:
+                        self.sessions.set(session_key, node.url)
+                    return await self._relay(node, resp, request, body)
+            rest = [n for n in alternatives if n.healthy and n.url not in tried]
+            picked = self._pick(rest, chunks, 0) if rest else None
+            node = picked[0] if picked else None
+        raise ProxyError(
+            503,
+            f"no engine could take the request: {last_error}",
+            type="service_unavailable",
+            code="no_engine_available",
+        )
+
+    async def _open(
+        self, node: Node, kind: str, body: dict[str, Any], request: Request, path: str | None = None
+    ) -> httpx.Response:
+        """Send the request and wait for the status line (streamed body left open), watching
+        the client: if it leaves, the upstream request is cancelled and ClientGone raised."""
+        req = self.client.build_request(
+            "POST",
+            node.url + (path or PATHS[kind]),
+            json=body,
+            headers=self.headers,
+            timeout=self._timeout(),
+        )
+        node.inflight += 1
+        try:
+            return await watch_client(self.client.send(req, stream=True), request)
+        except (
+            httpx.ConnectError,
+            httpx.ConnectTimeout,
+            httpx.RemoteProtocolError,
+            httpx.ReadError,
+            httpx.WriteError,
+            httpx.ReadTimeout,
+            httpx.PoolTimeout,
+        ) as exc:
+            raise _Unreachable(f"{node.url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            node.inflight -= 1
+
+    async def _relay(
+        self,
+        node: Node,
+        resp: httpx.Response,
+        request: Request,
+        body: dict[str, Any],
+        on_end: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> Response:
+        """Pass an engine's open response to the client: a stream chunk by chunk, anything else whole.
+
+        ``on_end(got_data)`` runs once the engine's response is over (or abandoned), with
+        whether any of it reached the proxy.
+        """
+        is_stream = resp.status_code == 200 and resp.headers.get("content-type", "").startswith(
+            "text/event-stream"
+        )
+        if not is_stream:
+            got = False
+            try:
+                content = await watch_client(resp.aread(), request)
+                got = True
+            except httpx.HTTPError as exc:
+                self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
+                raise ProxyError(
+                    502,
+                    f"the engine at {node.url} failed mid-request: {type(exc).__name__}: {exc}",
+                    type="upstream_error",
+                    code="engine_failed",
+                ) from exc
+            finally:
+                await resp.aclose()
+                if on_end is not None:
+                    await on_end(got)
+            headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type",)}
+            return Response(content, status_code=resp.status_code, headers=headers)
+
+        node.inflight += 1
+
+        async def passthrough() -> AsyncIterator[bytes]:
+            got = False
+            tail = b"\n\n"
+            try:
+                async for chunk in resp.aiter_raw():
+                    if chunk:
+                        got = True
+                        tail = chunk[-2:]
+                        yield chunk
+            except httpx.HTTPError as exc:
+                self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
+                self.stats.decode_failures += 1
+                log.warning("engine %s failed mid-stream: %s", node.url, exc)
+                sep = b"" if tail == b"\n\n" else b"\n\n"
+                err = error_body(
+                    f"the engine at {node.url} failed mid-stream: {type(exc).__name__}: {exc}",
+                    type="upstream_error",
+                    code="engine_failed",
+                )
+                yield sep + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+            finally:
+                node.inflight -= 1
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+                    if on_end is not None:
+                        await on_end(got)
+
+        return DisconnectAwareStreamingResponse(
+            passthrough(), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    # --- disaggregated: prefill on P, decode on D ------------------------------------------------
+    async def disaggregated(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        chunks: list[bytes],
+        prompt_tokens: int,
+        prefillers: list[Node],
+        decode: Node,
+        decoders: list[Node],
+    ) -> tuple[Response, str]:
+        prefill_body = prefill_request(body)
+        tried: set[str] = set()
+        answer: dict[str, Any] | None = None
+        prefill: Node | None = None
+        while len(tried) < self.config.max_attempts:
+            rest = [n for n in prefillers if n.healthy and n.url not in tried]
+            picked = self._pick(rest, chunks, prompt_tokens) if rest else None
+            if picked is None:
+                break
+            prefill = picked[0]
+            tried.add(prefill.url)
+            try:
+                resp = await self._open(prefill, kind, prefill_body, request)
+                try:
+                    content = await watch_client(resp.aread(), request)
+                finally:
+                    await resp.aclose()
+            except (_Unreachable, httpx.HTTPError) as exc:
+                self.stats.prefill_failures += 1
+                self.registry.record_failure(prefill.url, str(exc))
+                log.warning("prefill on %s failed (%s); trying another", prefill.url, exc)
+                continue
+            if resp.status_code >= 500 or resp.status_code == 429:
+                self.stats.prefill_failures += 1
+                log.warning(
+                    "prefill on %s answered %d: %s", prefill.url, resp.status_code, content[:200]
+                )
+                if resp.status_code not in (429, 503):
+                    self.registry.record_failure(
+                        prefill.url, f"prefill answered {resp.status_code}"
+                    )
+                continue
+            if resp.status_code >= 400:  # the request itself is wrong: any engine would say so
+                headers = {"content-type": resp.headers.get("content-type", "application/json")}
+                return Response(
+                    content, status_code=resp.status_code, headers=headers
+                ), "disaggregated"
+            try:
+                answer = json.loads(content)
+            except ValueError:
+                log.warning("prefill on %s answered invalid JSON", prefill.url)
+                continue
+            break
+        if answer is None or prefill is None:
+            self.stats.fallbacks_aggregated += 1
+            log.warning(
+                "no prefill engine could take the request; serving it aggregated on %s", decode.url
+            )
+            return await self.forward(
+                decode, kind, body, request, chunks, decoders
+            ), "aggregated_fallback"
+        self.prefix.record(prefill.url, chunks)
+
+        kv = answer.pop("kv_transfer_params", None)
+        if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
+            # The engine did not hand the KV over (an engine without P/D support): decode aggregated.
+            log.warning(
+                "prefill engine %s returned no kv_transfer_params; serving aggregated", prefill.url
+            )
+            self.stats.fallbacks_aggregated += 1
+            return await self.forward(
+                decode, kind, body, request, chunks, decoders
+            ), "aggregated_fallback"
+        if _finished_by_prefill(answer):
+            self._spawn(self.free_cache(prefill, kv))
+            if body.get("stream"):
+                return _stream_of(kind, answer, body), "disaggregated"
+            return JSONResponse(answer), "disaggregated"
+
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {**kv, "remote_engine_url": prefill.url}
+        tried_d: set[str] = set()
+        node: Node | None = decode
+        while node is not None and len(tried_d) < self.config.max_attempts:
+            tried_d.add(node.url)
+            try:
+                resp = await self._open(node, kind, decode_body, request)
+            except _Unreachable as exc:
+                self.stats.decode_failures += 1
+                self.registry.record_failure(node.url, str(exc))
+                log.warning("decode on %s unreachable (%s)", node.url, exc)
+                rest = [n for n in decoders if n.healthy and n.url not in tried_d]
+                picked = self._pick(rest, chunks, prompt_tokens) if rest else None
+                node = picked[0] if picked else None
+                continue
+            except ClientGone:
+                self._spawn(self.free_cache(prefill, kv))
+                raise
+            if resp.status_code >= 400:
+                # D refused or failed before answering: it freed its own blocks; P's lease goes too.
+                self.stats.decode_failures += resp.status_code >= 500
+                self._spawn(self.free_cache(prefill, kv))
+                return await self._relay(node, resp, request, body), "disaggregated"
+            self.prefix.record(node.url, chunks)
+            pf = prefill
+
+            async def on_end(got_data: bool, pf: Node = pf) -> None:
+                if not got_data:
+                    await self.free_cache(pf, kv)
+
+            return await self._relay(node, resp, request, body, on_end=on_end), "disaggregated"
+        # No decode engine took the handoff: release P's blocks and run the whole request elsewhere.
+        self._spawn(self.free_cache(prefill, kv))
+        rest = [n for n in decoders if n.healthy and n.url not in tried_d]
+        if not rest:
+            raise ProxyError(
+                503,
+                "no decode engine could take the request",
+                type="service_unavailable",
+                code="no_engine_available",
+            )
+        self.stats.fallbacks_aggregated += 1
+        return await self.forward(rest[0], kind, body, request, chunks, rest), "aggregated_fallback"
+
+
+class _Unreachable(Exception):
+    """The engine could not be reached or dropped the connection before answering."""
+
+
+async def watch_client(aw: Awaitable[T], request: Request | None) -> T:
+    """Await ``aw`` unless the client disconnects first; then cancel it (closing the upstream
+    connection, which makes the engine abort) and raise ClientGone."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill step's body: the client's request, one token, not streamed, KV kept for a decode."""
+    out = copy.deepcopy(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("max_completion_tokens", None)
+    out["max_tokens"] = 1
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def _finished_by_prefill(answer: dict[str, Any]) -> bool:
+    """P's one token ended the request (EOS or a stop string): D has nothing to add."""
+    choices = answer.get("choices") or []
+    return bool(choices) and all(
+        c.get("finish_reason") == "stop" for c in choices if isinstance(c, dict)
+    )
+
+
+def _stream_of(kind: str, answer: dict[str, Any], body: dict[str, Any]) -> StreamingResponse:
+    """A complete non-streamed answer as the SSE stream a streaming client expects."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    base = {
+        "id": answer.get("id"),
+        "created": answer.get("created", int(time.time())),
+        "model": answer.get("model"),
+    }
+    events: list[dict[str, Any]] = []
+    if kind == "chat":
+        base["object"] = "chat.completion.chunk"
+        choices = answer.get("choices") or []
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": c.get("index", 0),
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for c in choices
+                ],
+            }
+        )
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": c.get("index", 0),
+                        "delta": {"content": (c.get("message") or {}).get("content")}
+                        if (c.get("message") or {}).get("content")
+                        else {},
+                        "logprobs": None,
+                        "finish_reason": c.get("finish_reason"),
+                    }
+                    for c in choices
+                ],
+            }
+        )
+    else:
+        base["object"] = "text_completion"
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": c.get("index", 0),
+                        "text": c.get("text", ""),
+                        "logprobs": None,
+                        "finish_reason": c.get("finish_reason"),
+                    }
+                    for c in answer.get("choices") or []
+                ],
+            }
+        )
+    if include_usage:
+        events.append({**base, "choices": [], "usage": answer.get("usage")})
+    data = (
+        b"".join(
+            b"data: " + json.dumps(e, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            for e in events
+        )
+        + DONE
+    )
+    return StreamingResponse(iter([data]), media_type="text/event-stream", headers=SSE_HEADERS)

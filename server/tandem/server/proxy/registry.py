@@ -1,0 +1,318 @@
+"""The node registry: which engines exist, their roles, and whether they can take requests.
+
+Nodes come from three places (``--node`` flags, ``POST /nodes/add`` by engines started
+with ``--proxy-url``, Kubernetes discovery) and all land here. Health comes from polling
+each engine's ``/health``: a 200 makes a node routable, a 503 (loading, asleep, draining)
+makes it unroutable without counting against it, and failures to answer count. After
+``dead_threshold`` failures in a row a registered or discovered node is dropped (the
+engine is gone; if it comes back it registers again); a static node stays listed, marked
+dead, and comes back when it answers. A request that cannot reach a node marks it
+unhealthy at once, so the retry that follows picks another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("tandem.proxy")
+
+# LMDeploy's EngineRole: Hybrid = 1, Prefill = 2, Decode = 3. "both" is Tandem's hybrid.
+ROLE_IDS = {"both": 1, "prefill": 2, "decode": 3}
+ROLE_NAMES = {v: k for k, v in ROLE_IDS.items()}
+ROLE_ALIASES = {"hybrid": "both", "aggregated": "both", "p": "prefill", "d": "decode"}
+# Which roles serve which step: decode engines also answer plain requests (aggregated).
+DECODE_ROLES = frozenset({"decode", "both"})
+PREFILL_ROLES = frozenset({"prefill"})
+
+
+def parse_role(value: Any) -> str:
+    """A role from LMDeploy's integer enum or a name ("both"/"hybrid", "prefill", "decode")."""
+    if value is None:
+        return "both"
+    if isinstance(value, bool):
+        raise ValueError(f"invalid role {value!r}")
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        try:
+            return ROLE_NAMES[int(value)]
+        except KeyError:
+            raise ValueError(
+                f"invalid role {value!r}: the EngineRole values are 1 (hybrid), 2 (prefill), "
+                "3 (decode)"
+            ) from None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name.startswith("enginerole."):
+            name = name[len("enginerole.") :]
+        name = ROLE_ALIASES.get(name, name)
+        if name in ROLE_IDS:
+            return name
+    raise ValueError(f"invalid role {value!r}: use both (hybrid), prefill or decode")
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (the registry's key)."""
+    url = url.strip()
+    if not url:
+        raise ValueError("empty node url")
+    if "://" not in url:
+        url = "http://" + url
+    return url.rstrip("/")
+
+
+@dataclass
+class Node:
+    """One engine as the proxy sees it."""
+
+    url: str
+    role: str
+    models: list[str] = field(default_factory=list)
+    source: str = "registered"  # "static" | "registered" | "kubernetes"
+    healthy: bool = False
+    ever_healthy: bool = False
+    failures: int = 0  # consecutive failures to answer (health polls or requests)
+    inflight: int = 0  # requests the proxy has open there
+    pending: int = 0  # the engine's reported waiting queue
+    active: int = 0  # the engine's reported running requests
+    free_blocks: int | None = None
+    total_blocks: int | None = None
+    added_at: float = 0.0
+    last_error: str | None = None
+    last_status: str | None = None
+
+    @property
+    def role_id(self) -> int:
+        return ROLE_IDS[self.role]
+
+    @property
+    def load(self) -> int:
+        return self.inflight + self.pending
+
+    def serves(self, model: str | None) -> bool:
+        """A node that lists no models serves whatever it is asked (Kubernetes discovery)."""
+        return model in (None, "", "default") or not self.models or model in self.models
+
+    def status(self) -> dict[str, Any]:
+        """The node's entry in ``/nodes/status`` (LMDeploy's fields plus Tandem's)."""
+        return {
+            "models": list(self.models),
+            "role": self.role_id,
+            "role_name": self.role,
+            "unfinished": self.inflight,
+            "healthy": self.healthy,
+            "source": self.source,
+            "pending_requests": self.pending,
+            "active_requests": self.active,
+            "free_blocks": self.free_blocks,
+            "total_blocks": self.total_blocks,
+            "consecutive_failures": self.failures,
+            "last_error": self.last_error,
+            "engine_status": self.last_status,
+        }
+
+
+class Registry:
+    """All known nodes, keyed by base URL. Mutated only on the proxy's event loop."""
+
+    def __init__(
+        self,
+        dead_threshold: int = 3,
+        startup_grace: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if dead_threshold < 1:
+            raise ValueError("dead_threshold must be >= 1")
+        self.dead_threshold = dead_threshold
+        self.startup_grace = startup_grace
+        self._clock = clock
+        self._nodes: dict[str, Node] = {}
+        self._on_remove: list[Callable[[Node], None]] = []
+
+    # --- membership -------------------------------------------------------------------------
+    def add(
+        self,
+        url: str,
+        role: Any = "both",
+        models: list[str] | None = None,
+        *,
+        source: str = "registered",
+    ) -> Node:
+        """Add or update a node; re-adding keeps its counters (an engine re-registering after
+        a proxy restart or a discovery resync is the same engine)."""
+        key = normalize_url(url)
+        role_name = parse_role(role)
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = Node(
+                url=key,
+                role=role_name,
+                models=list(models or []),
+                source=source,
+                added_at=self._clock(),
+            )
+            log.info("node added: %s (%s, %s)", key, role_name, source)
+        else:
+            if node.role != role_name:
+                log.info("node %s changed role %s -> %s", key, node.role, role_name)
+            node.role = role_name
+            if models is not None:
+                node.models = list(models)
+            if source == "static" or node.source != "static":
+                node.source = source
+        return node
+
+    def remove(self, url: str) -> Node | None:
+        node = self._nodes.pop(normalize_url(url), None)
+        if node is not None:
+            log.info("node removed: %s", node.url)
+            for cb in self._on_remove:
+                cb(node)
+        return node
+
+    def on_remove(self, callback: Callable[[Node], None]) -> None:
+        """Called with each node dropped (routing state about it is forgotten)."""
+        self._on_remove.append(callback)
+
+    def get(self, url: str) -> Node | None:
+        return self._nodes.get(normalize_url(url))
+
+    def nodes(self) -> list[Node]:
+        return list(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def routable(self, roles: frozenset[str], model: str | None = None) -> list[Node]:
+        """Healthy nodes in ``roles`` serving ``model``, in a stable order (by URL)."""
+        return sorted(
+            (n for n in self._nodes.values() if n.healthy and n.role in roles and n.serves(model)),
+            key=lambda n: n.url,
+        )
+
+    def models(self) -> list[str]:
+        """Every model name a healthy node serves, in first-seen order."""
+        seen: dict[str, None] = {}
+        for n in self._nodes.values():
+            if n.healthy:
+                for m in n.models:
+                    seen.setdefault(m, None)
+        return list(seen)
+
+    # --- health -----------------------------------------------------------------------------
+    def record_health(
+        self,
+        url: str,
+        status_code: int | None,
+        body: dict[str, Any] | None,
+        error: str | None = None,
+    ) -> None:
+        """Apply one ``/health`` probe's outcome: status 200 healthy, 503 not ready, anything
+        else (or no answer) a failure."""
+        node = self.get(url)
+        if node is None:
+            return
+        if isinstance(body, dict):
+            node.last_status = body.get("status")
+            node.pending = _int(body.get("pending_requests"), node.pending)
+            node.active = _int(body.get("active_requests"), node.active)
+            pool = body.get("block_pool") or {}
+            if isinstance(pool, dict):
+                node.free_blocks = _int(pool.get("free_blocks"), node.free_blocks)
+                node.total_blocks = _int(pool.get("total_blocks"), node.total_blocks)
+            role = body.get("role")
+            if role is not None:
+                try:
+                    node.role = parse_role(role)
+                except ValueError:
+                    pass
+            model = body.get("model")
+            if isinstance(model, str) and model and not node.models:
+                node.models = [model]
+        if status_code == 200:
+            if not node.healthy:
+                log.info("node healthy: %s", node.url)
+            node.healthy = node.ever_healthy = True
+            node.failures = 0
+            node.last_error = None
+        elif status_code == 503:
+            node.healthy = False
+            node.last_error = f"not ready ({node.last_status or 'unavailable'})"
+        else:
+            self.record_failure(url, error or f"/health answered {status_code}")
+
+    def record_failure(self, url: str, error: str) -> bool:
+        """A node failed to answer (a probe or a request). Returns True if it was dropped."""
+        node = self.get(url)
+        if node is None:
+            return False
+        if node.healthy:
+            log.warning("node unhealthy: %s: %s", node.url, error)
+        node.healthy = False
+        node.failures += 1
+        node.last_error = error
+        in_grace = not node.ever_healthy and self._clock() - node.added_at < self.startup_grace
+        if node.failures >= self.dead_threshold and node.source != "static" and not in_grace:
+            log.warning("node dead after %d failures, dropped: %s", node.failures, node.url)
+            self.remove(url)
+            return True
+        return False
+
+
+def _int(value: Any, default: Any) -> Any:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class HealthPoller:
+    """Polls every node's ``/health`` each ``interval`` seconds, all nodes concurrently."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        interval: float = 2.0,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.interval = interval
+        self.timeout = timeout
+        self.headers = headers or {}
+
+    async def probe(self, url: str) -> None:
+        """Probe one node and record the outcome."""
+        try:
+            r = await self.client.get(url + "/health", timeout=self.timeout, headers=self.headers)
+        except (httpx.HTTPError, OSError) as exc:
+            self.registry.record_health(
+                url,
+                None,
+                None,
+                error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+            )
+            return
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        self.registry.record_health(url, r.status_code, body if isinstance(body, dict) else None)
+
+    async def poll_once(self) -> None:
+        urls = [n.url for n in self.registry.nodes()]
+        if urls:
+            await asyncio.gather(*(self.probe(u) for u in urls))
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - a poller must outlive any one bad answer
+                log.exception("health poll failed")
+            await asyncio.sleep(self.interval)

@@ -113,7 +113,8 @@ class GrammarCache:
             if spec.kind == "json":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.source, any_whitespace=False)
+                schema = json_safe_lengths(json.loads(spec.source))
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":
@@ -134,6 +135,26 @@ def _compile_grammar(compiler: Any, source: str) -> Any:
             return compiler.compile_lark(source)
         except Exception:
             raise ebnf_error from None
+
+
+_JSON_CHAR = '[^\\x00-\\x1f"\\\\]'  # a character a JSON string may hold unescaped
+
+
+def json_safe_lengths(schema: Any) -> Any:
+    """xgrammar 0.2.8 lets a string with ``minLength``/``maxLength`` hold raw control
+    characters, which strict JSON parsers (pydantic's) refuse; the same bounds as a ``pattern``
+    over JSON-safe characters keep the output valid."""
+    if isinstance(schema, list):
+        return [json_safe_lengths(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: json_safe_lengths(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and bounded and plain:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"{_JSON_CHAR}{{{low},{high}}}"
+    return out
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -276,6 +276,8 @@ def test_named_function_and_parallel_calls(client: openai.OpenAI) -> None:
 
 def test_ollama_format(target) -> None:
     url, key, engines = target
+    if len(engines) > 1:
+        pytest.skip("the proxy does not route Ollama's /api/generate")
     body = {"model": MODEL, "prompt": "Weather?", "stream": False, "format": SCHEMA}
     r = httpx.post(
         url + "/api/generate",

@@ -14,6 +14,10 @@ from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.structured import GrammarError, GrammarSpec
 
+from . import test_pd_engine
+
+pd = test_pd_engine.pd  # the prefill + decode engines and their transport
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -125,3 +129,23 @@ def test_preemption_keeps_every_matcher_valid(llama_dir: Path) -> None:
     assert small.stats().num_preemptions > 0
     outs = [done[f"p{i}"].outputs[0] for i in range(8)]
     assert valid_stops(outs) >= 6
+
+
+def test_pd_prefill_samples_under_the_grammar_and_decode_resumes(pd, llama_dir: Path) -> None:
+    """The prefill engine's one token obeys the grammar; the decode engine's matcher starts
+    from it, and the whole output equals an aggregated run's token for token (same seed)."""
+    drain_one, run_pulls = test_pd_engine.drain, test_pd_engine.run_pulls
+    prefill, decode, client = pd
+    prompt = list(range(5, 40))
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=120, structured=SPEC)
+    both = make(llama_dir, block_size=8)
+    both.add_request("ref", prompt, params)
+    expected = drain_one(both, "ref")
+    handle = test_pd_engine.prefill_handoff(prefill, "p", prompt, params)
+    decode.grammars.submit(SPEC).result()  # as the API does: compiled before it is added
+    decode.add_request("d", prompt, params, kv_transfer=handle)
+    decode.step()
+    run_pulls(decode, client)
+    out = drain_one(decode, "d")
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert valid_stops(out.outputs) == 1

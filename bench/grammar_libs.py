@@ -126,7 +126,9 @@ def main() -> None:
     for name, (c, per) in results.items():
         print(f"{name:10s} compile {c * 1e3:8.2f} ms   fill+accept {per * 1e6:8.1f} us/token")
     (xc, xp), (lc, lp) = results["xgrammar"], results["llguidance"]
-    print(f"compile llguidance/xgrammar = {lc / xc:.2f}x; per-token llguidance/xgrammar = {lp / xp:.2f}x")
+    print(
+        f"compile llguidance/xgrammar = {lc / xc:.2f}x; per-token llguidance/xgrammar = {lp / xp:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ class GrammarCache:
             if spec.kind == "json":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
-                schema = json_safe_lengths(json.loads(spec.source))
+                schema = json_safe_strings(json.loads(spec.source))
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
@@ -137,21 +137,40 @@ def _compile_grammar(compiler: Any, source: str) -> Any:
             raise ebnf_error from None
 
 
-_JSON_CHAR = '[^\\x00-\\x1f"\\\\]'  # a character a JSON string may hold unescaped
+# A character a JSON string may hold unescaped, as valid UTF-8: printable ASCII but the quote
+# and backslash, then each run of code points whose UTF-8 form shares its lead-byte rules, as
+# alternatives (one class would be built as a naive byte range: overlong forms, surrogates).
+_JSON_CHAR = (
+    "(?:"
+    + "|".join(
+        [
+            r"[ !#-\[\]-\x7f]",
+            r"[\u0080-\u07ff]",
+            r"[\u0800-\u0fff]",
+            r"[\u1000-\ucfff]",
+            r"[\ud000-\ud7ff]",
+            r"[\ue000-\uffff]",
+            r"[\u{10000}-\u{3ffff}]",
+            r"[\u{40000}-\u{fffff}]",
+            r"[\u{100000}-\u{10ffff}]",
+        ]
+    )
+    + ")"
+)
 
 
-def json_safe_lengths(schema: Any) -> Any:
-    """xgrammar 0.2.8 lets a string with ``minLength``/``maxLength`` hold raw control
-    characters, which strict JSON parsers (pydantic's) refuse; the same bounds as a ``pattern``
-    over JSON-safe characters keep the output valid."""
+def json_safe_strings(schema: Any) -> Any:
+    """xgrammar 0.2.8 lets a JSON string hold byte sequences that are not valid UTF-8 (encoded
+    surrogates, overlong forms), and one with ``minLength``/``maxLength`` raw control characters
+    too: JSON that strict parsers (pydantic's) refuse, or whose length is off once decoded. Each plain string becomes a ``pattern`` over JSON-safe
+    characters with the same bounds, so every output the grammar accepts parses."""
     if isinstance(schema, list):
-        return [json_safe_lengths(s) for s in schema]
+        return [json_safe_strings(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: json_safe_lengths(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
+    out = {k: json_safe_strings(v) for k, v in schema.items()}
     plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
-    if out.get("type") == "string" and bounded and plain:
+    if out.get("type") == "string" and plain:
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
         out["pattern"] = f"{_JSON_CHAR}{{{low},{high}}}"
     return out

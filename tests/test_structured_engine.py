@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
@@ -149,3 +150,24 @@ def test_pd_prefill_samples_under_the_grammar_and_decode_resumes(pd, llama_dir: 
     out = drain_one(decode, "d")
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
     assert valid_stops(out.outputs) == 1
+
+
+def test_grammar_starts_after_the_thinking(engine: LLMEngine) -> None:
+    """With ``after_token_ids`` the matcher neither masks nor advances until they appear."""
+    from tandem.server.engine.structured import apply_grammar_masks
+
+    think_end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False))
+    spec = GrammarSpec("regex", "ok", after_token_ids=think_end)
+    seq = engine.grammars.sequence(engine.grammars.submit(spec).result(), spec)
+    vocab = engine.model_config.vocab_size
+    logits = torch.zeros(1, vocab)
+    apply_grammar_masks(logits, [seq])
+    assert torch.isfinite(logits).all()  # thinking: free
+    out = list(engine.tokenizer.encode("hmm", add_special_tokens=False))
+    for t in think_end:
+        out.append(t)
+        seq.advance(out)
+    assert seq.active
+    apply_grammar_masks(logits, [seq])
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and all("ok".startswith(engine.tokenizer.decode([t])) for t in allowed)

@@ -290,3 +290,41 @@ def test_ollama_format(target) -> None:
         jsonschema.validate(json.loads(r.json()["response"]), SCHEMA)
     for e in engines:
         wait_free(e)
+
+
+def test_reasoning_parser_and_template_kwargs(llama_dir, tmp_path_factory) -> None:
+    """``--reasoning-parser qwen3``: ``reasoning_content`` is part of the message; with thinking
+    switched off through ``chat_template_kwargs`` the grammar holds from the first token (with it
+    on, the grammar would wait for ``</think>``, which random weights never write)."""
+    log = tmp_path_factory.mktemp("reasoning") / "serve.log"
+    srv = ServerProcess(
+        str(llama_dir),
+        *ENGINE_FLAGS,
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "hermes",
+        log_path=log,
+    )
+    try:
+        srv.wait_ready()
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        off = {"chat_template_kwargs": {"enable_thinking": False}, "guided_choice": ["a1", "b2"]}
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, extra_body=off)
+        assert r.choices[0].message.content in ("a1", "b2")
+        on = c.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=8, extra_body={"guided_choice": ["a1", "b2"]}
+        )
+        message = on.choices[0].message.model_dump()
+        assert "reasoning_content" in message  # no <think> written: all of it is content
+        assert message["reasoning_content"] is None and message["content"]
+        text, reasoning = "", ""
+        for chunk in c.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=20, stream=True, extra_body=off
+        ):
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+        assert text in ("a1", "b2") and reasoning == ""
+    finally:
+        stop_all([srv])

@@ -16,6 +16,7 @@ from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.structured import GrammarError, GrammarSpec
 
 from . import test_pd_engine
+from .test_engine_api import drain
 
 pd = test_pd_engine.pd  # the prefill + decode engines and their transport
 
@@ -36,15 +37,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
-
-
-def drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def make(model_dir: Path, **kw: object) -> LLMEngine:
@@ -171,3 +163,17 @@ def test_grammar_starts_after_the_thinking(engine: LLMEngine) -> None:
     apply_grammar_masks(logits, [seq])
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert allowed and all("ok".startswith(engine.tokenizer.decode([t])) for t in allowed)
+
+
+def test_session_turns_each_follow_their_grammar(engine: LLMEngine) -> None:
+    """A session's second turn reuses the first's KV blocks; its matcher starts afresh."""
+    first = list(range(10, 60))
+    params = SamplingParams(max_tokens=150, seed=4, structured=SPEC)
+    engine.add_request("t1", first, params, session_id="s")
+    out1 = drain(engine)["t1"]
+    second = first + list(out1.outputs[0].token_ids) + list(range(70, 90))
+    engine.add_request("t2", second, params.clone(seed=5), session_id="s")
+    out2 = drain(engine)["t2"]
+    assert out2.num_cached_tokens > 0
+    assert valid_stops(out1.outputs + out2.outputs) == 2
+    engine.delete_session("s")

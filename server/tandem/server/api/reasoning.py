@@ -8,16 +8,11 @@ what was already sent.
 
 from __future__ import annotations
 
+from .tool_parsers import partial_tag_len
+
 PARSERS = ("qwen3",)
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def split_qwen3(text: str, final: bool) -> tuple[str, str]:
@@ -33,7 +28,7 @@ def split_qwen3(text: str, final: bool) -> tuple[str, str]:
     if body.startswith(THINK_START):
         inner = body[len(THINK_START) :]
         return inner.lstrip("\n")[
-            : len(inner.lstrip("\n")) - (0 if final else _held(inner, THINK_END))
+            : len(inner.lstrip("\n")) - (0 if final else partial_tag_len(inner, THINK_END))
         ], ""
     if not final and THINK_START.startswith(body):
         return "", ""

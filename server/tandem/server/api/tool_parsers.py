@@ -69,7 +69,7 @@ def _scan_call(text: str, pos: int) -> tuple[Call, int | None]:
     return Call(name, text[start:end], True), close.end()
 
 
-def _held(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """How many trailing characters could be the start of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -81,7 +81,7 @@ def hermes(text: str, final: bool) -> tuple[str, list[Call]]:
     open_tag = "<tool_call>"
     i = text.find(open_tag)
     if i < 0:
-        return (text if final else text[: len(text) - _held(text, open_tag)]), []
+        return (text if final else text[: len(text) - partial_tag_len(text, open_tag)]), []
     calls = []
     pos = i
     while pos >= 0:

@@ -328,3 +328,32 @@ def test_reasoning_parser_and_template_kwargs(llama_dir, tmp_path_factory) -> No
         assert text in ("a1", "b2") and reasoning == ""
     finally:
         stop_all([srv])
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=10)
+    unit: Literal["c", "f"]
+
+
+def test_client_parses_pydantic_tools(client: openai.OpenAI) -> None:
+    """The client's own helpers: strict pydantic tools, parsed arguments, whole and streamed."""
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    r = client.beta.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, GetWeather)
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    with client.beta.chat.completions.stream(
+        model=MODEL, messages=ASK, tools=tools, tool_choice=named, max_tokens=60
+    ) as s:
+        for _ in s:
+            pass
+        done = s.get_final_completion()
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert isinstance(done.choices[0].message.tool_calls[0].function.parsed_arguments, GetWeather)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from tandem.server.api.auth import env_credentials
+
 from .pd_flow import FlowConfig
 from .routing import POLICIES
 
@@ -16,12 +18,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' from clients (default: $TANDEM_PROXY_API_KEY)",
+        help="a client key: require 'Authorization: Bearer KEY' from clients (default: "
+        "$TANDEM_PROXY_API_KEY; prefer the environment or --api-key-file: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="client keys, one per line (default: $TANDEM_PROXY_API_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--internal-api-key",
+        default=None,
+        help="the credential shared with the engines: sent to them, accepted on /nodes/* and "
+        "/distserve/* (default: $TANDEM_INTERNAL_API_KEY)",
+    )
+    parser.add_argument(
+        "--internal-api-key-file",
+        default=None,
+        help="a file holding the internal credential (default: $TANDEM_INTERNAL_API_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key for /nodes/* and /distserve/* (default: $TANDEM_ADMIN_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        help="a file holding the admin key (default: $TANDEM_ADMIN_API_KEY_FILE)",
     )
     parser.add_argument(
         "--engine-api-key",
         default=None,
-        help="the key the engines require (default: $TANDEM_ENGINE_API_KEY; none if unset)",
+        help="the key the engines require, when it is not the internal credential (default: "
+        "$TANDEM_ENGINE_API_KEY, else the internal credential)",
     )
     parser.add_argument(
         "--node",
@@ -107,10 +137,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tandem.proxy").error("bad --node: %s", exc)
         return 2
+    credentials = env_credentials(
+        os.environ,
+        "TANDEM_PROXY_API_KEY",
+        client_key=args.api_key,
+        client_key_file=args.api_key_file,
+        internal_key=args.internal_api_key,
+        internal_key_file=args.internal_api_key_file,
+        admin_key=args.admin_api_key,
+        admin_key_file=args.admin_api_key_file,
+    )
     flow = FlowConfig(
         disagg_threshold=args.disagg_threshold,
         policy=args.policy,
-        engine_api_key=args.engine_api_key or os.environ.get("TANDEM_ENGINE_API_KEY") or None,
+        engine_api_key=args.engine_api_key
+        or os.environ.get("TANDEM_ENGINE_API_KEY")
+        or credentials.internal_key,
         max_attempts=max(1, args.max_attempts),
         request_timeout=args.request_timeout,
     )
@@ -120,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         else None
     )
     settings = ProxySettings(
-        api_key=args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None,
+        credentials=credentials,
         flow=flow,
         static_nodes=nodes,
         health_interval=args.health_interval,

@@ -82,6 +82,7 @@ class ServerProcess(ChildProcess):
         api_key: str | None = None,
         log_path: Path | None = None,
         served_model_name: str = "tiny",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -105,9 +106,9 @@ class ServerProcess(ChildProcess):
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env.pop("TANDEM_API_KEY", None)
-        super().__init__(cmd, env, log_path)
+        child_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        child_env.pop("TANDEM_API_KEY", None)
+        super().__init__(cmd, {**child_env, **(env or {})}, log_path)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -7,13 +7,11 @@ server against a real proxy, `tandem up`) are in tests/test_trust_live.py.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import zmq
@@ -33,6 +31,7 @@ from tandem.server.proxy.app import ProxySettings
 from tandem.server.proxy.app import build_app as build_proxy
 
 from .api_helpers import wait_until
+from .test_proxy_unit import _call
 
 INTERNAL, ADMIN, CLIENT = "int-secret", "adm-secret", "k1"
 KEY = trust.derive_key(INTERNAL, "kv-transport")
@@ -348,16 +347,6 @@ PROXY_ADMIN_ROUTES = [
     ("POST", "/distserve/connection_warmup"),
     ("POST", "/distserve/gc"),
 ]
-
-
-def _call(app, method: str, path: str, **kw) -> httpx.Response:
-    async def go() -> httpx.Response:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
-        ) as c:
-            return await c.request(method, path, **kw)
-
-    return asyncio.run(go())
 
 
 def test_finding4_a_client_key_administers_nothing_at_the_proxy() -> None:

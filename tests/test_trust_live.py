@@ -213,6 +213,7 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
         text = "".join(lines)
         base = re.search(r"OpenAI base URL: (\S+)", text).group(1).removesuffix("/v1")
         urls = dict(re.findall(r"(\w+-\d+) ready on (\S+)", text))
+        served = re.search(r"serving '([^']+)'", text).group(1)
         assert set(urls) == {"prefill-0", "decode-0"}
 
         # finding 6: no key in any process's arguments (they are in the environment)
@@ -240,7 +241,8 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
 
         # finding 5: the prefill engine dies with a request in flight (held on decode, which
         # has not pulled yet: the prefill holds the lease); the client still gets its answer.
-        expected = _completion(urls["decode-0"], bearer(internal)).json()["choices"][0]["text"]
+        expected = _completion(urls["decode-0"], bearer(internal), model=served).json()
+        expected = expected["choices"][0]["text"]
         prefill_pid = next(
             p
             for p in pids
@@ -248,7 +250,7 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
         )
         httpx.post(urls["decode-0"] + "/pause", headers=bearer(ADMIN)).raise_for_status()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(_completion, base, bearer(CLIENT))
+            pending = pool.submit(_completion, base, bearer(CLIENT), model=served)
 
             def leased() -> bool:
                 pool_state = httpx.get(urls["prefill-0"] + "/health").json()["block_pool"]
@@ -283,7 +285,7 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
             timeout=180,
             what="the restarted prefill engine to rejoin",
         )
-        r = _completion(base, bearer(CLIENT))
+        r = _completion(base, bearer(CLIENT), model=served)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
     finally:
         proc.send_signal(signal.SIGINT)

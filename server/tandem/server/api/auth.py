@@ -14,6 +14,7 @@ the probes (``/health``, ``/metrics``).
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import json
 import os
@@ -127,6 +128,53 @@ def env_credentials(
         or environ.get("TANDEM_INTERNAL_API_KEY_FILE"),
         admin_key=given.get("admin_key") or environ.get("TANDEM_ADMIN_API_KEY"),
         admin_key_file=given.get("admin_key_file") or environ.get("TANDEM_ADMIN_API_KEY_FILE"),
+    )
+
+
+def add_credential_arguments(parser: argparse.ArgumentParser, client_env: str) -> None:
+    """The key-file, internal and admin flags ``tandem serve`` and ``tandem proxy`` share
+    (each has its own ``--api-key``)."""
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"client keys, one per line (default: ${client_env}_FILE)",
+    )
+    parser.add_argument(
+        "--internal-api-key",
+        default=None,
+        help="the credential the proxy and its engines share: P/D handoff, /distserve/*, admin "
+        "routes (default: $TANDEM_INTERNAL_API_KEY; prefer it: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--internal-api-key-file",
+        default=None,
+        help="a file holding the internal credential (default: $TANDEM_INTERNAL_API_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key for the admin routes (docs/security.md) (default: $TANDEM_ADMIN_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        help="a file holding the admin key (default: $TANDEM_ADMIN_API_KEY_FILE)",
+    )
+
+
+def credentials_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str], client_env: str
+) -> Credentials:
+    """What ``add_credential_arguments`` and ``--api-key`` configure, the environment filling in."""
+    return env_credentials(
+        environ,
+        client_env,
+        client_key=args.api_key,
+        client_key_file=args.api_key_file,
+        internal_key=args.internal_api_key,
+        internal_key_file=args.internal_api_key_file,
+        admin_key=args.admin_api_key,
+        admin_key_file=args.admin_api_key_file,
     )
 
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
 
-from .auth import env_credentials
+from .auth import add_credential_arguments, credentials_from_args
 from .state import ROLES, ServerSettings
 
 if TYPE_CHECKING:
@@ -48,33 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a client key: require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; "
         "prefer the environment or --api-key-file: arguments are visible in ps)",
     )
-    parser.add_argument(
-        "--api-key-file",
-        default=None,
-        help="client keys, one per line (default: $TANDEM_API_KEY_FILE)",
-    )
-    parser.add_argument(
-        "--internal-api-key",
-        default=None,
-        help="the credential shared with the proxy and peer engines: P/D handoff, /distserve/*, "
-        "admin routes (default: $TANDEM_INTERNAL_API_KEY)",
-    )
-    parser.add_argument(
-        "--internal-api-key-file",
-        default=None,
-        help="a file holding the internal credential (default: $TANDEM_INTERNAL_API_KEY_FILE)",
-    )
-    parser.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="the key for /terminate, /sleep, /wakeup, /pause, /resume, /abort_request, "
-        "/distserve/* (default: $TANDEM_ADMIN_API_KEY)",
-    )
-    parser.add_argument(
-        "--admin-api-key-file",
-        default=None,
-        help="a file holding the admin key (default: $TANDEM_ADMIN_API_KEY_FILE)",
-    )
+    add_credential_arguments(parser, "TANDEM_API_KEY")
     parser.add_argument(
         "--role", choices=ROLES, default="both", help="this engine's part in P/D disaggregation"
     )
@@ -230,16 +204,7 @@ def settings_from_args(
     """Server settings from the flags; each key falls back to its environment variable
     (``docs/security.md``)."""
     env = os.environ if environ is None else environ
-    creds = env_credentials(
-        env,
-        "TANDEM_API_KEY",
-        client_key=args.api_key,
-        client_key_file=args.api_key_file,
-        internal_key=args.internal_api_key,
-        internal_key_file=args.internal_api_key_file,
-        admin_key=args.admin_api_key,
-        admin_key_file=args.admin_api_key_file,
-    )
+    creds = credentials_from_args(args, env, "TANDEM_API_KEY")
     api_key = args.api_key or env.get("TANDEM_API_KEY") or None
     return ServerSettings(
         model_dir=model_dir,

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from tandem.server.api.auth import env_credentials
+from tandem.server.api.auth import add_credential_arguments, credentials_from_args
 
 from .pd_flow import FlowConfig
 from .routing import POLICIES
@@ -21,32 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a client key: require 'Authorization: Bearer KEY' from clients (default: "
         "$TANDEM_PROXY_API_KEY; prefer the environment or --api-key-file: arguments show in ps)",
     )
-    parser.add_argument(
-        "--api-key-file",
-        default=None,
-        help="client keys, one per line (default: $TANDEM_PROXY_API_KEY_FILE)",
-    )
-    parser.add_argument(
-        "--internal-api-key",
-        default=None,
-        help="the credential shared with the engines: sent to them, accepted on /nodes/* and "
-        "/distserve/* (default: $TANDEM_INTERNAL_API_KEY)",
-    )
-    parser.add_argument(
-        "--internal-api-key-file",
-        default=None,
-        help="a file holding the internal credential (default: $TANDEM_INTERNAL_API_KEY_FILE)",
-    )
-    parser.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="the key for /nodes/* and /distserve/* (default: $TANDEM_ADMIN_API_KEY)",
-    )
-    parser.add_argument(
-        "--admin-api-key-file",
-        default=None,
-        help="a file holding the admin key (default: $TANDEM_ADMIN_API_KEY_FILE)",
-    )
+    add_credential_arguments(parser, "TANDEM_PROXY_API_KEY")
     parser.add_argument(
         "--engine-api-key",
         default=None,
@@ -137,16 +112,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tandem.proxy").error("bad --node: %s", exc)
         return 2
-    credentials = env_credentials(
-        os.environ,
-        "TANDEM_PROXY_API_KEY",
-        client_key=args.api_key,
-        client_key_file=args.api_key_file,
-        internal_key=args.internal_api_key,
-        internal_key_file=args.internal_api_key_file,
-        admin_key=args.admin_api_key,
-        admin_key_file=args.admin_api_key_file,
-    )
+    credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
     flow = FlowConfig(
         disagg_threshold=args.disagg_threshold,
         policy=args.policy,

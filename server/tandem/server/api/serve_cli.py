@@ -123,6 +123,12 @@ def run(args: argparse.Namespace) -> int:
         args, model_dir
     )  # validates engine flags before anything loads
     settings = settings_from_args(args, model_dir, default_name)
+    if settings.role != "both" and not settings.credentials.open and not settings.internal_api_key:
+        log.warning(
+            "role %s with keys but no internal credential: kv_transfer_params will be refused "
+            "(set $TANDEM_INTERNAL_API_KEY on the proxy and every engine; docs/security.md)",
+            settings.role,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
 

@@ -77,18 +77,22 @@ def bench_stall(args: argparse.Namespace) -> dict[str, float]:
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     silent_addr = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
-    results = {}
-    for name, stalled in (("baseline", 0), ("4 stalled", 4)):
-        puller = KVPuller(lambda: layout, max_workers=4, timeout_s=600, key=key)
-        ended: list[str] = []
-        for i in range(stalled):
-            puller.submit(
-                PullTask(f"s{i}", silent_addr, "x", "e", [1], [8]),
-                dst,
-                lambda rid, _, ended=ended: ended.append(rid),
-            )
-        latencies = []
-        for i in range(args.pulls + 1):
+    # Two pullers side by side, their pulls alternating, so load from other processes on a
+    # shared machine falls on both alike; one has four pulls held by the silent peer.
+    pullers = {
+        name: KVPuller(lambda: layout, max_workers=4, timeout_s=600, key=key)
+        for name in ("baseline", "4 stalled")
+    }
+    ended: list[str] = []
+    for i in range(4):
+        pullers["4 stalled"].submit(
+            PullTask(f"s{i}", silent_addr, "x", "e", [1], [8]),
+            dst,
+            lambda rid, _: ended.append(rid),
+        )
+    latencies: dict[str, list[float]] = {name: [] for name in pullers}
+    for i in range(args.pulls + 1):
+        for name, puller in pullers.items():
             done = threading.Event()
             t0 = time.perf_counter()
             puller.submit(
@@ -99,13 +103,15 @@ def bench_stall(args: argparse.Namespace) -> dict[str, float]:
             if not done.wait(60):
                 raise RuntimeError(f"{name}: a real pull did not finish in 60 s")
             if i:  # the first one connects
-                latencies.append(time.perf_counter() - t0)
-        results[name] = statistics.median(latencies)
-        while len(ended) < stalled:  # now let the stalled pulls fail, so no thread is left
-            if silent.poll(100):
-                ident, *_ = silent.recv_multipart()
-                silent.send_multipart([ident, b"ERR", b"the benchmark is over"])
+                latencies[name].append(time.perf_counter() - t0)
+    assert not ended, "a stalled pull ended early"
+    while len(ended) < 4:  # now let the stalled pulls fail, so no thread is left
+        if silent.poll(100):
+            ident, *_ = silent.recv_multipart()
+            silent.send_multipart([ident, b"ERR", b"the benchmark is over"])
+    for puller in pullers.values():
         puller.close()
+    results = {name: statistics.median(v) for name, v in latencies.items()}
     silent.close()
     server.close()
     return results

@@ -17,6 +17,7 @@ from . import mapping, structured
 from .chat_choice import ChoiceStream, chat_message
 from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, submit
+from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
@@ -85,6 +86,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     text = mapping.render_chat(state.tokenizer, body, conversation)
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
+    check_kv_transfer(state, request, body.kv_transfer_params, [prompt_ids])
     job = await submit(
         state,
         request_id,
@@ -134,7 +136,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             choice["message"], choice["finish_reason"] = chat_message(
                 c.text, c.finish_reason, tools, reasoning
             )
-    return _with_handoff(response, outputs)
+    return _with_handoff(state, response, outputs)
 
 
 def _chat_plan(
@@ -276,6 +278,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
         )
+    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
     job = await submit(
         state,
         request_id,
@@ -308,6 +311,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     return _with_handoff(
+        state,
         mapping.completion_response(
             request_id=request_id,
             created=created,
@@ -322,10 +326,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
-def _with_handoff(response: dict[str, Any], outputs: list[Any]) -> dict[str, Any]:
+def _with_handoff(
+    state: ServerState, response: dict[str, Any], outputs: list[Any]
+) -> dict[str, Any]:
     """A prefill engine's answer carries the handle the decode engine pulls the KV cache with."""
     if outputs and outputs[0].kv_transfer_params is not None:
-        response["kv_transfer_params"] = outputs[0].kv_transfer_params
+        response["kv_transfer_params"] = signed(
+            state, outputs[0].kv_transfer_params, outputs[0].prompt_token_ids
+        )
     return response
 
 

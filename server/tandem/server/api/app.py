@@ -13,9 +13,10 @@ from fastapi import FastAPI
 
 from tandem.server.engine import LLMEngine
 
-from . import distserve_routes, native_routes, openai_routes, ops_routes
+from . import distserve_routes, native_routes, ollama, openai_routes, ops_routes, token_routes
 from .auth import AuthMiddleware
 from .chat_history import ChatHistories
+from .edge import install_edge
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
@@ -88,6 +89,7 @@ def build_app(
                 await registration.withdraw(settings)
             engine.shutdown()
             transport.close()
+            state.tokenizer_pool.shutdown(wait=False)
 
     app = FastAPI(
         title="Tandem engine",
@@ -100,10 +102,13 @@ def build_app(
     install_error_handlers(app)
     app.include_router(openai_routes.router, tags=["openai"])
     app.include_router(native_routes.router, tags=["native"])
+    app.include_router(ollama.router, tags=["ollama"])
+    app.include_router(token_routes.router, tags=["tokens"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)
+    install_edge(app, settings.edge)  # outermost: a 401 carries the request id too
     return app
 
 

@@ -11,6 +11,7 @@ from .errors import APIError
 from .protocol import ERROR_RESPONSES, APIModel
 from .state import get_state
 
+P2P_CONNECT_TIMEOUT_S = 5.0
 router = APIRouter(prefix="/distserve")
 
 
@@ -90,17 +91,29 @@ async def p2p_initialize(body: P2PInitializeRequest, request: Request) -> dict[s
 
 @router.post("/p2p_connect", responses=ERROR_RESPONSES)
 async def p2p_connect(body: P2PConnectRequest, request: Request) -> dict[str, Any]:
-    """Open the transport to a prefill engine now and check the KV layouts (400 on a mismatch)."""
+    """Open the transport to a prefill engine now and check the KV layouts: 400 on a layout
+    mismatch, 502 when the peer fails, 504 when it does not answer within 5 s."""
     import asyncio
 
     puller = _puller(request)
     address = body.remote_engine_endpoint_info.zmq_address
-    problem = await asyncio.get_running_loop().run_in_executor(None, puller.connect, address)
-    if problem:
+    connecting = asyncio.get_running_loop().run_in_executor(None, puller.connect, address)
+    try:
+        problem = await asyncio.wait_for(connecting, P2P_CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        puller.drop(address)
         raise APIError(
-            400,
-            problem,
-            code="kv_layout_mismatch" if "layout" in problem else "transport_error",
+            504,
+            f"the prefill engine at {address} did not answer within {P2P_CONNECT_TIMEOUT_S:g} s",
+            code="transport_timeout",
+            param="remote_engine_endpoint_info",
+        ) from None
+    if problem:
+        layout = "layout" in problem
+        raise APIError(
+            400 if layout else 502,
+            problem if address in problem else f"prefill engine at {address}: {problem}",
+            code="kv_layout_mismatch" if layout else "transport_error",
             param="remote_engine_endpoint_info",
         )
     return {"success": True, "remote_engine_id": body.remote_engine_id}

@@ -120,7 +120,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         _count(request, exc.status_code)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code
+        )
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)

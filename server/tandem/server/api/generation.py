@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -44,14 +45,64 @@ except ImportError:  # pragma: no cover - older engine
 
 
 DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
     """The client went away before its response was ready."""
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request: Request | None = None) -> str:
+    """The engine request id: the client's ``X-Request-Id`` as is, else ``prefix-<the id the
+    edge generated>`` (so the log line and the response header name the same request)."""
+    edge = request.scope.get("state", {}) if request is not None else {}
+    if edge.get("request_id_given"):
+        return edge["request_id"]
+    return f"{prefix}-{edge.get('request_id') or uuid.uuid4().hex}"
+
+
+async def off_loop(state: ServerState, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run tokenization or template rendering on the API's tokenizer thread, so a huge
+    prompt never stalls the event loop (``/health``, other streams)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.tokenizer_pool, lambda: fn(*args, **kwargs))
+
+
+def check_prompt_chars(state: ServerState, text: str, param: str) -> None:
+    """413 before tokenizing when ``text`` must be over ``max_model_len`` tokens: no token is
+    longer than the vocabulary's longest entry, so it has at least len/longest tokens."""
+    limit = state.engine.info.get("max_model_len")
+    if limit and len(text) > limit * state.longest_token_chars:
+        raise APIError(
+            413,
+            f"the prompt ({len(text)} characters) is longer than max_model_len ({limit}) tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def tokenize_text(state: ServerState, text: str, param: str = "prompt", **kwargs: Any) -> list[int]:
+    """Token ids of ``text`` (on the tokenizer thread: call through ``off_loop``)."""
+    check_prompt_chars(state, text, param)
+    return list(state.tokenizer.encode(text, **kwargs))
+
+
+def render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+    """Ollama-style messages through the chat template to token ids (through ``off_loop``)."""
+    for m in messages:
+        check_prompt_chars(state, m.get("content") or "", "messages")
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja's TemplateError, and templates' raise_exception
+        raise APIError(
+            400,
+            f"the chat template failed on these messages: {exc}",
+            param="messages",
+            code="invalid_value",
+        ) from exc
+    return tokenize_text(state, text, "messages", add_special_tokens=False)
 
 
 def api_error(exc: BaseException) -> APIError:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +15,15 @@ from tandem.server.engine import SamplingParams
 
 from . import mapping
 from .errors import APIError, error_body
-from .generation import ClientDisconnected, Job, new_id, submit
+from .generation import (
+    ClientDisconnected,
+    Job,
+    new_id,
+    off_loop,
+    render_chat,
+    submit,
+    tokenize_text,
+)
 from .protocol import (
     ERROR_RESPONSES,
     AbortRequest,
@@ -23,6 +31,7 @@ from .protocol import (
     EncodeResponse,
     GenerateRequest,
     GenerateResponse,
+    OllamaChatRequest,
     OllamaGenerateRequest,
 )
 from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
@@ -69,11 +78,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         )
     params = mapping.generate_sampling_params(body, vocab_size=state.vocab_size)
     prompt = (
-        state.tokenizer.encode(body.prompt)
+        await off_loop(state, tokenize_text, state, body.prompt)
         if body.prompt is not None
         else list(body.input_ids or [])
     )
-    rid = new_id("gen")
+    rid = new_id("gen", request)
     job = await submit(
         state,
         rid,
@@ -131,10 +140,10 @@ async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
             text = state.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
-            return list(state.tokenizer.encode(text, add_special_tokens=False))
-        return list(state.tokenizer.encode(text, add_special_tokens=bool(body.add_bos)))
+            return tokenize_text(state, text, "input", add_special_tokens=False)
+        return tokenize_text(state, text, "input", add_special_tokens=bool(body.add_bos))
 
-    ids = [one(t) for t in texts]
+    ids = [await off_loop(state, one, t) for t in texts]
     if isinstance(body.input, str):
         return {"input_ids": ids[0], "length": len(ids[0])}
     return {"input_ids": ids, "length": [len(i) for i in ids]}
@@ -182,9 +191,11 @@ _OPTION_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def ollama_sampling_params(options: dict[str, Any] | None) -> SamplingParams:
+def ollama_sampling_params(
+    options: dict[str, Any] | None, default_max_tokens: int | None = None
+) -> SamplingParams:
     """Ollama's ``options`` onto ``SamplingParams`` (``num_predict`` -1 = up to the context)."""
-    fields: dict[str, Any] = {"max_tokens": None}
+    fields: dict[str, Any] = {"max_tokens": default_max_tokens}
     for key, value in (options or {}).items():
         if key not in _OLLAMA_OPTIONS:
             continue  # Ollama has many runner options (num_ctx, num_gpu ...) with no meaning here
@@ -210,6 +221,25 @@ def _created_at() -> str:
     return str(datetime.now())
 
 
+def _ollama_loaded(model: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's answer to an empty prompt or message list: the model is loaded, nothing runs."""
+    return {
+        "model": model,
+        "created_at": _created_at(),
+        **payload,
+        "done": True,
+        "done_reason": "load",
+    }
+
+
+def _response_text(text: str) -> dict[str, Any]:
+    return {"response": text}
+
+
+def _message_text(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
+
+
 @router.post("/api/generate", responses=ERROR_RESPONSES)
 async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     """Ollama-style generation: an NDJSON stream of ``{model, created_at, response, done}``."""
@@ -219,26 +249,70 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
         raise APIError(
             400, "image inputs are not supported", param="images", code="unsupported_value"
         )
-    params = ollama_sampling_params(body.options)
-    if (spec := ollama_format_spec(body.format)) is not None:
-        params = params.clone(structured=spec)
+    params = _ollama_params(state, body.options, body.format)
+    if not body.prompt:
+        state.check_admitting()
+        return _ollama_loaded(model, _response_text(""))
     if body.raw or getattr(state.tokenizer, "chat_template", None) is None:
-        text = body.prompt
-        prompt = list(body.context or []) + state.tokenizer.encode(text)
+        ids = await off_loop(state, tokenize_text, state, body.prompt)
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}
         ]
-        text = state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        ids = await off_loop(state, render_chat, state, messages)
+    prompt = list(body.context or []) + list(ids)
+    return await _ollama_run(
+        state, request, model, prompt, params, body.stream, "ollama", _response_text
+    )
+
+
+@router.post("/api/chat", responses=ERROR_RESPONSES)
+async def ollama_chat(body: OllamaChatRequest, request: Request) -> Any:
+    """Ollama's chat: ``messages`` over the chat template; NDJSON ``{message, done}`` lines."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    if any(m.images for m in body.messages):
+        raise APIError(
+            400, "image inputs are not supported", param="messages", code="unsupported_value"
         )
-        prompt = list(body.context or []) + state.tokenizer.encode(text, add_special_tokens=False)
-    rid = new_id("ollama")
+    params = _ollama_params(state, body.options, body.format)
+    if not body.messages:
+        state.check_admitting()
+        return _ollama_loaded(model, _message_text(""))
+    if getattr(state.tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model has no chat template", code="no_chat_template")
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    prompt = await off_loop(state, render_chat, state, messages)
+    return await _ollama_run(
+        state, request, model, list(prompt), params, body.stream, "ollamachat", _message_text
+    )
+
+
+def _ollama_params(
+    state: Any, options: dict[str, Any] | None, fmt: str | dict[str, Any] | None
+) -> SamplingParams:
+    params = ollama_sampling_params(options, state.settings.default_max_tokens)
+    if (spec := ollama_format_spec(fmt)) is not None:
+        params = params.clone(structured=spec)
+    return params
+
+
+async def _ollama_run(
+    state: Any,
+    request: Request,
+    model: str,
+    prompt: list[int],
+    params: SamplingParams,
+    stream: bool,
+    prefix: str,
+    wrap: Callable[[str], dict[str, Any]],
+) -> Any:
+    rid = new_id(prefix, request)
     started = time.monotonic_ns()
-    job = await submit(state, rid, [prompt], params, stream=body.stream)
-    if body.stream:
+    job = await submit(state, rid, [prompt], params, stream=stream)
+    if stream:
         return StreamingResponse(
-            _ollama_stream(job, rid, model, started), media_type="application/x-ndjson"
+            _ollama_stream(job, rid, model, started, wrap), media_type="application/x-ndjson"
         )
     try:
         (out,) = await job.collect(request)
@@ -247,7 +321,7 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     return {
         "model": model,
         "created_at": _created_at(),
-        "response": out.outputs[0].text,
+        **wrap(out.outputs[0].text),
         "done": True,
         **_ollama_final(out, started),
     }
@@ -264,7 +338,9 @@ def _ollama_final(out: Any, started_ns: int) -> dict[str, Any]:
     }
 
 
-async def _ollama_stream(job: Job, rid: str, model: str, started_ns: int) -> AsyncIterator[bytes]:
+async def _ollama_stream(
+    job: Job, rid: str, model: str, started_ns: int, wrap: Callable[[str], dict[str, Any]]
+) -> AsyncIterator[bytes]:
     cur = mapping.Cursor()
     try:
         async for latest in job.updates():
@@ -273,13 +349,13 @@ async def _ollama_stream(job: Job, rid: str, model: str, started_ns: int) -> Asy
             if len(c.text) > cur.text:
                 text, _, _ = cur.advance(c)
                 yield ndjson_line(
-                    {"model": model, "created_at": _created_at(), "response": text, "done": False}
+                    {"model": model, "created_at": _created_at(), **wrap(text), "done": False}
                 )
         yield ndjson_line(
             {
                 "model": model,
                 "created_at": _created_at(),
-                "response": "",
+                **wrap(""),
                 "done": True,
                 **_ollama_final(job.last[rid], started_ns),
             }

@@ -16,7 +16,7 @@ from tandem.server.engine.structured import GrammarSpec
 from . import mapping, structured
 from .chat_choice import ChoiceStream, chat_message
 from .errors import APIError, error_body
-from .generation import ClientDisconnected, Job, new_id, submit
+from .generation import ClientDisconnected, Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
@@ -41,23 +41,31 @@ def _note_ignored(route: str, body: Any) -> None:
         log.debug("%s: ignoring unknown field(s) %s", route, ", ".join(extra))
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tandem",
+        "root": state.settings.model_dir,
+        "max_model_len": state.engine.info.get("max_model_len"),
+    }
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model (the ``openai`` client's ``models.retrieve``); 404 for a name not served."""
     state = get_state(request)
-    info = state.engine.info
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "tandem",
-                "root": state.settings.model_dir,
-                "max_model_len": info.get("max_model_len"),
-            }
-        ],
-    }
+    if model_id != state.model_name:
+        raise APIError(
+            404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
+        )
+    return _model_card(state)
 
 
 @router.post(
@@ -71,7 +79,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     mapping.check_chat_request(body)
     top = mapping.chat_logprobs_count(body)
     params = mapping.sampling_params(
-        body, vocab_size=state.vocab_size, default_max_tokens=None, logprobs=top
+        body,
+        vocab_size=state.vocab_size,
+        default_max_tokens=state.settings.default_max_tokens,
+        logprobs=top,
     )
     tools, reasoning, spec = _chat_plan(state, body)
     if spec is not None:
@@ -83,9 +94,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     conversation = None
     if session is not None and not raw_prompt:
         conversation = state.histories.resolve(session, mapping.chat_messages(body))
-    text = mapping.render_chat(state.tokenizer, body, conversation)
-    prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
-    request_id = new_id("chatcmpl")
+    text = await off_loop(state, mapping.render_chat, state.tokenizer, body, conversation)
+    prompt_ids = await off_loop(
+        state, tokenize_text, state, text, "messages", add_special_tokens=False
+    )
+    request_id = new_id("chatcmpl", request)
     check_kv_transfer(state, request, body.kv_transfer_params, [prompt_ids])
     job = await submit(
         state,
@@ -267,12 +280,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if (spec := structured.request_spec(body)) is not None:
         params = params.clone(structured=spec)
     prompts = mapping.completion_prompts(body.prompt)
-    prompt_ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    prompt_ids = [
+        await off_loop(state, tokenize_text, state, p) if isinstance(p, str) else list(p)
+        for p in prompts
+    ]
     echo_texts: list[str | None] = [
         (p if isinstance(p, str) else state.tokenizer.decode(p)) if body.echo else None
         for p in prompts
     ]
-    request_id = new_id("cmpl")
+    request_id = new_id("cmpl", request)
     session = mapping.session_key(body.session_id)
     if session is not None and len(prompts) > 1:
         raise APIError(

@@ -198,6 +198,42 @@ class OllamaGenerateRequest(APIModel):
     format: str | dict[str, Any] | None = None
 
 
+class OllamaMessage(APIModel):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+
+
+class OllamaChatRequest(APIModel):
+    model: str | None = None
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    stream: bool = True
+    options: dict[str, Any] | None = None
+    format: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class OllamaShowRequest(APIModel):
+    model: str | None = None
+    name: str | None = None  # the field's older name
+
+
+class TokenizeRequest(APIModel):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(APIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ----- responses (documented in the OpenAPI schema; routes build them as plain dicts) -------
 class UsageInfo(StrictOut):
     prompt_tokens: int

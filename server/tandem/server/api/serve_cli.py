@@ -21,6 +21,7 @@ import uvicorn
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
 
 from .auth import add_credential_arguments, credentials_from_args
+from .edge import add_edge_arguments, edge_from_args
 from .reasoning import PARSERS as REASONING_PARSERS
 from .state import ROLES, ServerSettings
 from .tool_parsers import PARSERS as TOOL_PARSERS
@@ -111,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    add_edge_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -239,6 +241,8 @@ def settings_from_args(
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        edge=edge_from_args(args),
+        default_max_tokens=args.default_max_tokens or None,
     )
 
 

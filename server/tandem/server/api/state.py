@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from fastapi import Request
 
 from .auth import Credentials
 from .chat_history import ChatHistories
+from .edge import DEFAULT_MAX_TOKENS, EdgeSettings
 from .engine_loop import READY, AsyncEngine
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -39,12 +41,17 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # None: chosen by the chat template's family
     reasoning_parser: str | None = None
+    edge: EdgeSettings = EdgeSettings()
+    # max_tokens for a request that sets none (--default-max-tokens); None: to the context's end.
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.default_max_tokens is not None and self.default_max_tokens <= 0:
+            raise ValueError("default_max_tokens must be > 0")
         if self.session_ttl is not None and self.session_ttl <= 0:
             raise ValueError("session_ttl must be > 0")
         self.credentials  # noqa: B018 - validates the keys (distinct, non-empty)
@@ -66,8 +73,17 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     histories: ChatHistories = field(default_factory=lambda: ChatHistories(None))
+    # The API tokenizer's thread (generation.off_loop) and its longest vocabulary entry.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    )
+    longest_token_chars: int = 0
     # Set by the process runner (serve_cli) so /terminate can stop the server.
     shutdown: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.longest_token_chars:
+            self.longest_token_chars = max(map(len, self.tokenizer.get_vocab()))
 
     @property
     def model_name(self) -> str:

@@ -29,8 +29,15 @@ from tandem.server.api.auth import (
     AuthMiddleware,
     Credentials,
 )
+from tandem.server.api.edge import (
+    DEFAULT_MAX_TOKENS,
+    EdgeSettings,
+    install_edge,
+    request_id_header,
+)
+from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 
-from .pd_flow import FlowConfig, PDFlow, ProxyError, error_body
+from .pd_flow import PATHS, FlowConfig, PDFlow, ProxyError, error_body
 from .registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -60,6 +67,9 @@ class ProxySettings:
     health_interval: float = 2.0
     dead_threshold: int = 3
     startup_grace: float = 600.0
+    edge: EdgeSettings = field(default_factory=EdgeSettings)
+    # max_tokens the proxy writes into a chat request that sets none (--default-max-tokens).
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     # Started with the app, stopped with it: e.g. Kubernetes discovery. Gets the registry.
     discovery: Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None = None
 
@@ -134,6 +144,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
             admin_paths=PROXY_ADMIN_PATHS,
             admin_prefixes=PROXY_ADMIN_PREFIXES,
         )
+    install_edge(app, settings.edge)
     return app
 
 
@@ -151,7 +162,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code
+        )
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
             error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code
@@ -208,13 +221,86 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
+        state = get_state(request)
         body = _client_body(await _json_body(request))
-        return await get_state(request).flow.handle("chat", body, request)
+        if state.settings.default_max_tokens and not (
+            body.get("max_tokens") or body.get("max_completion_tokens")
+        ):
+            body["max_tokens"] = state.settings.default_max_tokens
+        return await state.flow.handle("chat", body, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = _client_body(await _json_body(request))
         return await get_state(request).flow.handle("completions", body, request)
+
+    def routed(path: str, kind: str) -> None:
+        async def route(request: Request) -> Response:
+            body = _client_body(await _json_body(request))
+            return await get_state(request).flow.handle(kind, body, request)
+
+        route.__doc__ = f"Routed to an engine serving the model (``{path}`` there)."
+        app.post(path, name=kind)(route)
+
+    for kind, path in PATHS.items():
+        if kind not in ("chat", "completions"):
+            routed(path, kind)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        """LMDeploy's abort: a session's requests on the engine holding the session (every
+        decode engine if the proxy does not know it), or ``abort_all`` on every engine."""
+        state = get_state(request)
+        body = _client_body(await _json_body(request))
+        session = body.get("session_id")
+        held = state.flow.sessions.get(str(session)) if session not in (None, "", -1) else None
+        urls = (
+            [held]
+            if held and not body.get("abort_all")
+            else [n.url for n in state.registry.nodes() if n.healthy]
+        )
+        headers = {**state.flow.headers, **request_id_header(request)}
+
+        async def one(url: str) -> httpx.Response | None:
+            try:
+                return await state.client.post(
+                    url + "/abort_request", json=body, headers=headers, timeout=10.0
+                )
+            except httpx.HTTPError:
+                return None
+
+        answers = [r for r in await asyncio.gather(*(one(u) for u in urls)) if r is not None]
+        refused = next((r for r in answers if r.status_code >= 400), None)
+        if refused is not None:
+            return JSONResponse(refused.json(), status_code=refused.status_code)
+        return JSONResponse({"aborted": sum(int(r.json().get("aborted", 0)) for r in answers)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        state = get_state(request)
+        if model_id not in state.registry.models():
+            raise ProxyError(
+                404,
+                f"The model '{model_id}' does not exist",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "tandem"}
+
+    @app.get("/api/tags")
+    async def ollama_tags(request: Request) -> dict[str, Any]:
+        """Ollama's model list: every model some healthy engine serves."""
+        return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+
+    @app.get("/api/ps")
+    async def ollama_ps(request: Request) -> dict[str, Any]:
+        """Ollama's loaded models: here every served model is loaded."""
+        return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict[str, str]:
+        return {"version": OLLAMA_VERSION}
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> Response:
@@ -299,7 +385,12 @@ def _add_node_routes(app: FastAPI) -> None:
                 code="invalid_value",
                 param="status.models",
             )
-        return normalize_url(url), role_name, models
+        try:
+            return normalize_url(url), role_name, models
+        except ValueError as exc:
+            raise ProxyError(
+                400, str(exc), type="invalid_request_error", code="invalid_value", param="url"
+            ) from exc
 
     @app.post("/nodes/add")
     async def add_node(request: Request) -> dict[str, Any]:

@@ -7,12 +7,14 @@ import logging
 import os
 
 from tandem.server.api.auth import add_credential_arguments, credentials_from_args
+from tandem.server.api.edge import add_edge_arguments, edge_from_args
 
 from .pd_flow import FlowConfig
 from .routing import POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_edge_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -135,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         dead_threshold=args.dead_threshold,
         startup_grace=args.startup_grace,
         discovery=discovery,
+        edge=edge_from_args(args),
+        default_max_tokens=args.default_max_tokens or None,
     )
     app = build_app(settings)
     logging.getLogger("tandem.proxy").info(

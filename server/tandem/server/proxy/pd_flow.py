@@ -48,7 +48,23 @@ log = logging.getLogger("tandem.proxy")
 
 T = TypeVar("T")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# Every engine route the proxy routes, by kind. Only "chat" and "completions" can run as
+# prefill -> decode (the handoff speaks OpenAI's shapes); ``routing.disaggregatable`` says why
+# the others run on one engine.
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "generate": "/generate",
+    "ollama_generate": "/api/generate",
+    "ollama_chat": "/api/chat",
+    "ollama_show": "/api/show",
+    "embeddings": "/v1/embeddings",
+    "pooling": "/pooling",
+    "encode": "/v1/encode",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
+STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.2
@@ -387,9 +403,8 @@ class PDFlow:
         ``on_end(got_data)`` runs once the engine's response is over (or abandoned), with
         whether any of it reached the proxy.
         """
-        is_stream = resp.status_code == 200 and resp.headers.get("content-type", "").startswith(
-            "text/event-stream"
-        )
+        media = resp.headers.get("content-type", "").split(";")[0].strip()
+        is_stream = resp.status_code == 200 and media in STREAM_TYPES
         if not is_stream:
             got = False
             try:
@@ -425,13 +440,17 @@ class PDFlow:
                 self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
                 self.stats.decode_failures += 1
                 log.warning("engine %s failed mid-stream: %s", node.url, exc)
-                sep = b"" if tail == b"\n\n" else b"\n\n"
                 err = error_body(
                     f"the engine at {node.url} failed mid-stream: {type(exc).__name__}: {exc}",
                     type="upstream_error",
                     code="engine_failed",
                 )
-                yield sep + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+                if media == "application/x-ndjson":
+                    sep = b"" if tail.endswith(b"\n") else b"\n"
+                    yield sep + json.dumps({**err, "done": True}).encode() + b"\n"
+                else:
+                    sep = b"" if tail == b"\n\n" else b"\n\n"
+                    yield sep + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
             finally:
                 node.inflight -= 1
                 with anyio.CancelScope(shield=True):
@@ -440,7 +459,7 @@ class PDFlow:
                         await on_end(got)
 
         return DisconnectAwareStreamingResponse(
-            passthrough(), media_type="text/event-stream", headers=SSE_HEADERS
+            passthrough(), media_type=media, headers=SSE_HEADERS
         )
 
     # --- disaggregated: prefill on P, decode on D ------------------------------------------------

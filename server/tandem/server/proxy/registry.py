@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,12 +58,22 @@ def parse_role(value: Any) -> str:
 
 
 def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (the registry's key)."""
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (the registry's key).
+    Anything but an http(s) URL with a host (and a valid port, if any) is a ValueError."""
     url = url.strip()
     if not url:
         raise ValueError("empty node url")
     if "://" not in url:
         url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"node url {url!r}: the scheme must be http or https")
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise ValueError(f"node url {url!r} has no valid host")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise ValueError(f"node url {url!r}: {exc}") from None
     return url.rstrip("/")
 
 

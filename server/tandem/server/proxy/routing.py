@@ -39,7 +39,7 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
     structure matters: two requests sharing a conversation's opening share this text's
     opening too.
     """
-    if kind == "chat":
+    if kind in ("chat", "ollama_chat"):
         parts = []
         for m in body.get("messages") or []:
             if not isinstance(m, dict):
@@ -51,7 +51,7 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
                 content = json.dumps(content, sort_keys=True)
             parts.append(f"<{m.get('role', '')}>{content or ''}")
         return "\n".join(parts)
-    prompt = body.get("prompt", "")
+    prompt = body.get(_PROMPT_FIELD.get(kind, "prompt"), "")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
@@ -61,18 +61,21 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
     return ""
 
 
+_PROMPT_FIELD = {"embeddings": "input", "pooling": "input", "encode": "input", "generate": "prompt"}
+
+
 def estimate_tokens(kind: str, body: dict[str, Any], text: str | None = None) -> int:
     """Prompt tokens, estimated as ``len(text) // 4`` (plus the chat template's overhead).
 
     Token ids given as the prompt are counted exactly.
     """
-    if kind == "completions":
-        prompt = body.get("prompt")
+    prompt = body.get("input_ids" if kind == "generate" else "prompt")
+    if kind in ("completions", "generate"):
         if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
             return len(prompt)
     text = prompt_text(kind, body) if text is None else text
     n = len(text) // CHARS_PER_TOKEN
-    if kind == "chat":
+    if kind in ("chat", "ollama_chat"):
         n += TOKENS_PER_MESSAGE * len(body.get("messages") or [])
     return n
 
@@ -215,6 +218,14 @@ def should_disaggregate(prompt_tokens: int, cached_on_decode: int, threshold: in
     return uncached_tokens(prompt_tokens, cached_on_decode) >= threshold
 
 
+# Routes served whole on one engine, and why.
+NOT_HANDED_OFF = {
+    "generate": "the P/D handoff speaks OpenAI's request and response shapes",
+    "ollama_generate": "the P/D handoff speaks OpenAI's request and response shapes",
+    "ollama_chat": "the P/D handoff speaks OpenAI's request and response shapes",
+}
+
+
 def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
     """Why this request must run on one engine, or None when P/D can serve it.
 
@@ -222,6 +233,8 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
     choices or prompts, and per-token logprobs of the first token (computed on the prefill
     side), stay on one engine.
     """
+    if kind not in ("chat", "completions"):
+        return NOT_HANDED_OFF.get(kind, "no generation")
     n = body.get("n")
     if isinstance(n, int) and n > 1:
         return "n > 1"

@@ -79,14 +79,14 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from .handlers import OperatorOptions, build_registry
+    from .handlers import OperatorOptions, operator_memo
     from .kube import load_config
 
     load_config(args.kubeconfig)  # sets the default client configuration that kopf's login uses
     namespaces = args.namespaces or [
         n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n
     ]
-    registry = build_registry(
+    memo = operator_memo(
         OperatorOptions(
             render=options,
             resync_seconds=args.resync_seconds,
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     kopf.run(
-        registry=registry,
+        memo=memo,
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=not args.peering,

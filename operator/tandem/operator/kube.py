@@ -35,6 +35,18 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, body: str, what: str) -> None:
         super().__init__(f"{what}: HTTP {status}: {body[:500]}")
         self.status = status
+        self.body = body
+        self.message = f"{what}: {api_message(body) or f'HTTP {status}'}"
+        """What the API server said (its Status message), for a condition a user reads."""
+
+
+def api_message(body: str) -> str | None:
+    """The ``message`` of a Kubernetes ``Status`` response body, if it is one."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data.get("message") if isinstance(data, dict) else None
 
 
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
@@ -93,14 +105,19 @@ class Kube:
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """Server-side apply as the operator's field manager; ``force`` takes fields back
-        from a human's ``kubectl edit`` (the spec is the source of truth)."""
-        return self.request(
-            "PATCH",
-            object_path(manifest),
-            manifest,
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            content_type="application/apply-patch+yaml",
-        )
+        from a human's ``kubectl edit`` (the spec is the source of truth). A failure names
+        the object (``apply Deployment/x``) beside the API server's message."""
+        try:
+            return self.request(
+                "PATCH",
+                object_path(manifest),
+                manifest,
+                query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+                content_type="application/apply-patch+yaml",
+            )
+        except KubeError as exc:
+            what = f"apply {manifest['kind']}/{manifest['metadata']['name']}"
+            raise KubeError(exc.status, exc.body, what) from None
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         path = (

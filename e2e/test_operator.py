@@ -567,6 +567,11 @@ def test_gpus_beyond_any_node_are_unschedulable_and_beyond_free_ones_wait(
         timeout=30,
     )
     cluster.kubectl("delete", "tisvc", huge, busy, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(  # the GPUs are free for the next test
+        "the pods to go",
+        lambda: not cluster.kubectl_json("get", "pods", "-n", namespace)["items"],
+        timeout=60,
+    )
 
 
 def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
@@ -749,18 +754,20 @@ def _reason(cluster: Cluster, namespace: str, name: str) -> str | None:
 def _wait_reason(
     cluster: Cluster, op: Operator, namespace: str, name: str, reason: str, timeout: float = 60
 ) -> dict[str, Any]:
+    """The InferenceService as it was when its Ready condition first had this reason."""
+    seen: list[dict[str, Any]] = []
+
+    def has_reason() -> bool:
+        seen.append(_get(cluster, "tisvc", name, namespace))
+        return _condition(seen[-1], "Ready").get("reason") == reason
+
     try:
-        wait_for(
-            f"{name} Ready reason {reason}",
-            lambda: _reason(cluster, namespace, name) == reason,
-            timeout=timeout,
-            interval=1,
-        )
+        wait_for(f"{name} Ready reason {reason}", has_reason, timeout=timeout, interval=1)
     except TimeoutError:
-        print(json.dumps(_get(cluster, "tisvc", name, namespace).get("status"), indent=1))
+        print(json.dumps(seen[-1].get("status"), indent=1))
         print(op.tail(), file=sys.stderr)
         raise
-    return _get(cluster, "tisvc", name, namespace)
+    return seen[-1]
 
 
 def test_unbound_cache_pvc_is_degraded_not_downloading(
@@ -799,7 +806,7 @@ def test_no_serving_path_is_not_ready_and_kubectl_scale_fixes_it(
     cluster.kubectl("scale", "tisvc", name, "-n", namespace, "--replicas=2")
     isvc = _wait_ready(cluster, operator, namespace, name)
     assert isvc["spec"]["decode"]["replicas"] == 2 and isvc["status"]["decode"]["replicas"] == "2/2"
-    scale = cluster.kubectl_json("get", "--raw", _scale_path(namespace, name))
+    scale = json.loads(cluster.kubectl("get", "--raw", _scale_path(namespace, name)).stdout)
     assert scale["status"]["replicas"] == 2
     assert scale["status"]["selector"].endswith("tandem.dev/role=decode")
     assert len(_events(cluster, namespace, name, "AllRolesReady")) == 1

@@ -179,6 +179,7 @@ class Operator:
                     "30",
                     "--image",
                     "tandem:e2e",
+                    "--gang-scheduling",  # the harness enables Kubernetes' PodGroup API
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -944,4 +945,75 @@ def test_pods_have_requests_pdbs_allow_unhealthy_eviction_and_engines_carry_kv_l
     assert len(layouts) == 1 and None not in layouts
     pdbs = cluster.kubectl_json("get", "pdb", "-n", namespace)["items"]
     assert {p["spec"]["unhealthyPodEvictionPolicy"] for p in pdbs} == {"AlwaysAllow"}
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_a_service_that_cannot_be_placed_whole_holds_no_gpu(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 5: with 4 GPUs free, a prefill pod (4 GPUs) would fit but its decode pod
+    (8) would not; gang admission binds neither, so no GPU is held by a service that cannot
+    serve. Once GPUs are freed, both are admitted together."""
+    gpus = cluster.nodes.gpus
+    filler = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "filler", "namespace": namespace},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "filler"}},
+            "template": {
+                "metadata": {"labels": {"app": "filler"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "filler",
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus // 2)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    _apply(cluster, filler)  # 3 x 4 GPUs of 2 x 8: 4 free, on one node
+    cluster.kubectl("rollout", "status", "deployment/filler", "-n", namespace, "--timeout=60s")
+    name = "gang"
+    _apply(
+        cluster,
+        _isvc(
+            name,
+            namespace,
+            prefill={"replicas": 1, "gpus": gpus // 2},
+            decode={"replicas": 1, "gpus": gpus},
+        ),
+    )
+    isvc = _wait_reason(cluster, operator, namespace, name, "WaitingForGang")
+    group = _get(cluster, "podgroup", f"{name}-engines", namespace)
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+    # the decode pod does not fit; the prefill pod, which would, waits for it
+    assert _condition(isvc, "PrefillReady")["reason"] == "WaitingForGang"
+    assert "pod group is unschedulable" in _condition(isvc, "PrefillReady")["message"]
+    engines = cluster.kubectl_json(
+        "get",
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"tandem.dev/inferenceservice={name},app.kubernetes.io/component=engine",
+    )["items"]
+    assert {p["metadata"]["labels"]["tandem.dev/role"] for p in engines} == {"prefill", "decode"}
+    assert not any(p["spec"].get("nodeName") for p in engines)  # the prefill pod holds nothing
+    assert isvc["status"]["phase"] == "Degraded"
+    wait_for(
+        "decode WaitingForGPUs",
+        lambda: (
+            _condition(_get(cluster, "tisvc", name, namespace), "DecodeReady").get("reason")
+            == "WaitingForGPUs"
+        ),
+        timeout=30,
+    )
+    cluster.kubectl("scale", "deployment/filler", "-n", namespace, "--replicas=1")
+    _wait_ready(cluster, operator, namespace, name, timeout=90)
+    cluster.kubectl("delete", "deployment", "filler", "-n", namespace)
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")

@@ -380,6 +380,7 @@ async def reconcile(
             RenderOptions(
                 image=options.render.image,
                 image_pull_policy=options.render.image_pull_policy,
+                gang_scheduling=options.render.gang_scheduling,
                 model_ready=model_ready(isvc, topology, kids),
                 model_cached=topology.model.kind == "hf"
                 and claim is not None

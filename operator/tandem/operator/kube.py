@@ -27,6 +27,7 @@ PLURALS = {
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
+    "PodGroup": "podgroups",
     "InferenceService": "inferenceservices",
 }
 

@@ -66,6 +66,8 @@ class RenderOptions:
     """False while an hf:// download Job has not succeeded: engines are not rendered yet."""
     model_cached: bool = False
     """The cache claim already holds the model (a retained cache): no download Job."""
+    gang_scheduling: bool = False
+    """Admit a Disaggregated service's engines as a gang (Kubernetes' PodGroup API)."""
 
 
 def labels(topology: Topology, component: str, role: str | None = None) -> dict[str, str]:
@@ -279,6 +281,8 @@ def engine_deployment(
         },
         "spec": pod_spec,
     }
+    if options.gang_scheduling and topology.mode == "Disaggregated":
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(topology)}
     if rs.pod_template:
         template = merge_pod_template(template, rs.pod_template)
     spec: dict[str, Any] = {
@@ -298,6 +302,28 @@ def engine_deployment(
         "kind": "Deployment",
         "metadata": _meta(isvc, topology, name, "engine", role.role),
         "spec": spec,
+    }
+
+
+GANG_MIN_COUNT = 2
+"""One prefill and one decode pod: the smallest set that serves. PodGroup's minCount is
+immutable, so it cannot follow the replica counts without renaming the group (and so
+rolling every pod) on each scale; pods added later to an admitted group schedule alone."""
+
+
+def pod_group_name(topology: Topology) -> str:
+    return f"{topology.name}-engines"
+
+
+def pod_group(isvc: InferenceService, topology: Topology) -> Manifest:
+    """Kubernetes' gang scheduling (scheduling.k8s.io/v1alpha2, alpha in 1.36): the scheduler
+    binds none of the engine pods until a prefill and a decode pod can be bound together,
+    so a half-scheduled service holds no GPU."""
+    return {
+        "apiVersion": "scheduling.k8s.io/v1alpha2",
+        "kind": "PodGroup",
+        "metadata": _meta(isvc, topology, pod_group_name(topology), "engine"),
+        "spec": {"schedulingPolicy": {"gang": {"minCount": GANG_MIN_COUNT}}},
     }
 
 
@@ -555,6 +581,8 @@ def render(
     """Every child object of an InferenceService, in an order that applies cleanly."""
     topology = topology or plan(isvc)
     out = model_objects(isvc, topology, options)
+    if options.gang_scheduling and topology.mode == "Disaggregated":
+        out.append(pod_group(isvc, topology))
     for role in topology.roles:
         if not role.is_engine:
             out += proxy_objects(isvc, topology, role, options)

@@ -41,6 +41,7 @@ FAILURES = frozenset(
         "DownloadFailed",
         "Unschedulable",
         "WaitingForGPUs",
+        "WaitingForGang",
         "ProgressDeadlineExceeded",
         "NoServingPath",
         "AutoscalingInactive",
@@ -255,6 +256,8 @@ def _pod_problem(pods: list[PodSummary]) -> tuple[str, str] | None:
             reason = "WaitingForGPUs" if GPU_RESOURCE in p.unschedulable else "Unschedulable"
             if "PersistentVolumeClaim" in p.unschedulable:
                 reason = "CacheUnbound"
+            elif "pod group" in p.unschedulable:
+                reason = "WaitingForGang"  # its other members cannot be placed with it
             return reason, p.unschedulable
         if p.waiting_reason in IMAGE_PULL:
             return "ImagePullFailed", f"{p.waiting_reason}: {p.waiting_message}".rstrip(": ")
@@ -372,7 +375,7 @@ def serving_path(isvc: InferenceService, pods: list[PodSummary]) -> str | None:
         prefill = {p.kv_layout for p in ready if p.role == "prefill"}
         decode = {p.kv_layout for p in ready if p.role == "decode"}
         if not prefill or not decode:
-            missing = "prefill" if not prefill else "decode"
+            missing = "decode" if not decode else "prefill"
             return f"no {missing} engine is ready: a disaggregated service needs both"
         if not prefill & decode:
             return "no ready prefill and decode engines share a KV layout (a rollout is half-way)"

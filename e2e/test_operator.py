@@ -557,10 +557,14 @@ def test_gpus_beyond_any_node_are_unschedulable_and_beyond_free_ones_wait(
         "needs 16 nvidia.com/gpu but the largest node has 8" in _condition(isvc, "Ready")["message"]
     )
     assert isvc["status"]["phase"] == "Degraded"
+    wait_for(  # two pods fit and kwok makes them Ready; the third waits
+        "busy at 2/3",
+        lambda: _get(cluster, "tisvc", busy, namespace)["status"]["decode"]["replicas"] == "2/3",
+        timeout=60,
+    )
     waiting = _get(cluster, "tisvc", busy, namespace)
     assert _condition(waiting, "Degraded")["status"] == "True"
     assert "Insufficient nvidia.com/gpu" in _condition(waiting, "Ready")["message"]
-    assert waiting["status"]["decode"]["replicas"] == "2/3"
     # a Warning Event says the same, once
     wait_for(
         "the Unschedulable event",

@@ -348,13 +348,16 @@ async def refresh_status(
     )
     if not status_changed(previous, new):
         return
-    await asyncio.to_thread(state.client().patch_status, key[0], key[1], as_patch(new))
+    kube = state.client()
+    await asyncio.to_thread(kube.patch_status, key[0], key[1], as_patch(new))
     posted = state.posted.setdefault(key, {})
     for event in events(previous, new):
         if posted.get(event.condition) == (event.status, event.reason):
             continue  # the index lagged our own write: posted already
         posted[event.condition] = (event.status, event.reason)
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        await asyncio.to_thread(
+            kube.post_event, body, event.type, event.reason, event.message, _now()
+        )
 
 
 async def reconcile(

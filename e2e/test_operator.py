@@ -623,22 +623,27 @@ def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 
+def _volume(name: str, storage_class: str) -> dict[str, Any]:
+    """A 1Gi ReadWriteMany PersistentVolume of its own StorageClass, for one cache to bind."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": storage_class,
+            "hostPath": {"path": f"/tmp/tandem-{name}"},
+        },
+    }
+
+
 def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(
     cluster: Cluster, operator: Operator, namespace: str
 ) -> None:
     """hf:// -> a download Job into the cache PVC (kwok completes its pod), then engines."""
     storage_class = f"manual-{namespace}"
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"models-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": storage_class,
-            "hostPath": {"path": "/tmp/tandem-models"},
-        },
-    }
+    pv = _volume(f"models-{namespace}", storage_class)
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -875,17 +880,7 @@ def test_model_cache_outlives_the_service_and_is_adopted(
     """Finding 7: cache.retain (default) keeps the PVC; a new service of the same name and
     model adopts it and starts without a download Job."""
     storage_class = f"retain-{namespace}"
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"cache-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": storage_class,
-            "hostPath": {"path": "/tmp/tandem-cache"},
-        },
-    }
+    pv = _volume(f"cache-{namespace}", storage_class)
     _apply(cluster, pv)
     name = "kept"
     model = {

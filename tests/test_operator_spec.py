@@ -174,7 +174,17 @@ def test_crd_is_structural_with_status_subresource_and_printer_columns() -> None
     }
     _assert_structural(version["schema"]["openAPIV3Schema"])
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Mode", "Prefill", "Decode", "Ready", "Reason", "Phase", "URL", "Age"]
+    assert columns == [
+        "Model",
+        "Mode",
+        "Prefill",
+        "Decode",
+        "Ready",
+        "Reason",
+        "Phase",
+        "URL",
+        "Age",
+    ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["properties"]["mode"]["default"] == "Disaggregated"
     assert spec["properties"]["decode"]["default"] == {}

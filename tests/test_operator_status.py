@@ -20,7 +20,6 @@ from tandem.operator.render import (
     merge_pod_template,
     render,
 )
-from tandem.operator.spec import load_inference_service
 from tandem.operator.status import (
     AutoscalerSummary,
     Children,
@@ -36,19 +35,7 @@ from tandem.operator.status import (
     summarize_pod,
 )
 
-UID = "0b5a6e0e-6f5b-4a57-9d55-7a0f4d8f3c11"
-
-
-def isvc(generation: int = 1, **spec: Any):
-    body = {"model": {"name": "tiny", "uri": "/models/tiny"}, **spec}
-    return load_inference_service(
-        {
-            "apiVersion": "tandem.dev/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": "svc", "namespace": "ml", "uid": UID, "generation": generation},
-            "spec": body,
-        }
-    )
+from .test_operator_render import UID, isvc
 
 
 def dep(role: str, desired: int, ready: int) -> DeploymentSummary:

@@ -223,7 +223,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=KOPF_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{KOPF_PREFIX}/finalizer"
-    settings.posting.level = logging.WARNING  # kopf's own log lines as Events only for problems
+    # Events come from status.py's condition changes, once each; kopf would post one per
+    # failed retry of a handler (an event storm while an apply keeps failing).
+    settings.posting.enabled = False
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,6 +38,7 @@ from .render import (
     cache_claim_name,
     cached_model_key,
     download_job_name,
+    internal_credential_secret,
     render,
 )
 from .spec import GPU_RESOURCE, GROUP, PLURAL, VERSION, InferenceService, load_inference_service
@@ -393,8 +395,12 @@ async def reconcile(
             ),
             topology,
         )
+        # the engines' shared internal credential: created once, never rotated by a re-apply
+        credential = internal_credential_secret(isvc, topology, secrets.token_urlsafe(32))
         try:
-            await asyncio.to_thread(_apply_all, state.client(), manifests, namespace, name, prune)
+            await asyncio.to_thread(
+                _apply_all, state.client(), credential, manifests, namespace, name, prune
+            )
         except KubeError as exc:
             state.apply_errors[key] = exc.message
             await refresh_status(state, key, body, indexes)
@@ -413,8 +419,14 @@ async def reconcile(
 
 
 def _apply_all(
-    kube: Kube, manifests: list[dict[str, Any]], namespace: str, name: str, prune: bool
+    kube: Kube,
+    credential: dict[str, Any],
+    manifests: list[dict[str, Any]],
+    namespace: str,
+    name: str,
+    prune: bool,
 ) -> None:
+    kube.create_if_absent(credential)
     for manifest in manifests:
         kube.apply(manifest)
     if not prune:

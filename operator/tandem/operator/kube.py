@@ -28,6 +28,8 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "PodGroup": "podgroups",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
     "InferenceService": "inferenceservices",
 }
 
@@ -119,6 +121,23 @@ class Kube:
         except KubeError as exc:
             what = f"apply {manifest['kind']}/{manifest['metadata']['name']}"
             raise KubeError(exc.status, exc.body, what) from None
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        """Create once, never update (a generated credential must not change under running
+        pods); True when this call created it."""
+        meta = manifest["metadata"]
+        try:
+            self.request(
+                "POST",
+                collection_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace")),
+                manifest,
+                query=[("fieldManager", FIELD_MANAGER)],
+            )
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         path = (

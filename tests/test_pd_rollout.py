@@ -20,7 +20,7 @@ import pytest
 from tandem.server.proxy.registration import deregister_engine, register_engine
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
-from .test_proxy_helpers import PROXY_KEY, ProxyProcess, stop_all
+from .test_proxy_helpers import PROXY_ADMIN_KEY, PROXY_KEY, ProxyProcess, stop_all
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,7 +60,7 @@ def test_rollout_that_changes_the_kv_layout_loses_no_request(llama_dir, tmp_path
             e.wait_ready()
             asyncio.run(
                 register_engine(
-                    proxy.url, e.url, role, [MODEL], PROXY_KEY, attempts=1, kv_layout=layout
+                    proxy.url, e.url, role, [MODEL], PROXY_ADMIN_KEY, attempts=1, kv_layout=layout
                 )
             )
         proxy.wait_healthy([e.url for e in pair.values()])
@@ -85,7 +85,7 @@ def test_rollout_that_changes_the_kv_layout_loses_no_request(llama_dir, tmp_path
         join(new, "B")  # both layouts serve side by side: pairs must not mix
         wait_until(lambda: len(results) >= 15, timeout=120, what="15 requests on both pairs")
         for role in ("prefill", "decode"):  # the old pods terminate: the proxy drops them
-            asyncio.run(deregister_engine(proxy.url, old[role].url, role, api_key=PROXY_KEY))
+            asyncio.run(deregister_engine(proxy.url, old[role].url, role, api_key=PROXY_ADMIN_KEY))
         runner.join(timeout=180)
         assert not runner.is_alive()
         failures = [r for r in results if isinstance(r, Exception)]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.server.engine import SamplingParams
 
 from . import mapping
+from .edge import OffLoopJSONRoute
 from .errors import APIError, error_body
 from .generation import (
     ClientDisconnected,
@@ -38,7 +39,7 @@ from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
 from .state import get_state
 from .structured import ollama_format_spec
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 # ----- LMDeploy /generate -------------------------------------------------------------------

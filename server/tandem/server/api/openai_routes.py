@@ -15,6 +15,7 @@ from tandem.server.engine.structured import GrammarSpec
 
 from . import mapping, structured
 from .chat_choice import ChoiceStream, chat_message
+from .edge import OffLoopJSONRoute
 from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
@@ -33,7 +34,7 @@ from .tool_parsers import Parser, parser_for_template, tool_plan
 
 log = logging.getLogger("tandem.api")
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 def _note_ignored(route: str, body: Any) -> None:

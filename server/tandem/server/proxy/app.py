@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +32,7 @@ from tandem.server.api.edge import (
     DEFAULT_MAX_TOKENS,
     EdgeSettings,
     install_edge,
+    loads,
     request_id_header,
 )
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
@@ -186,7 +186,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw else None
+        body = await loads(raw) if raw else None
     except ValueError as exc:
         raise ProxyError(
             400,

@@ -41,6 +41,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tandem.server.api.edge import request_id_header
+
 from . import routing
 from .registry import DECODE_ROLES, PREFILL_ROLES, Node, Registry
 
@@ -377,7 +379,7 @@ class PDFlow:
             "POST",
             node.url + (path or PATHS[kind]),
             json=body,
-            headers=self.headers,
+            headers={**self.headers, **request_id_header(request)},
             timeout=self._timeout(),
         )
         node.inflight += 1

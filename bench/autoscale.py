@@ -83,6 +83,8 @@ SYNTHETIC = _synthetic()
 class Trace:
     name: str
     duration_s: float
+    low: float
+    high: float
     rate: Callable[[float], float]
     isl_mean: float = 1500.0
     isl_cv: float = 0.6
@@ -92,7 +94,7 @@ class Trace:
 
 def step_trace(low: float, high: float) -> Trace:
     """Low for 30 min, high (a surge) for 60 min, low for 30 min."""
-    return Trace("step", 7200.0, lambda t: high if 1800.0 <= t < 5400.0 else low)
+    return Trace("step", 7200.0, low, high, lambda t: high if 1800.0 <= t < 5400.0 else low)
 
 
 def diurnal_trace(low: float, high: float) -> Trace:
@@ -100,6 +102,8 @@ def diurnal_trace(low: float, high: float) -> Trace:
     return Trace(
         "diurnal",
         7200.0,
+        low,
+        high,
         lambda t: low + (high - low) * (1 - math.cos(2 * math.pi * t / 7200.0)) / 2,
     )
 
@@ -240,14 +244,15 @@ def fixed(p: int, d: int) -> Policy:
     return lambda obs: (p, d)
 
 
-def hpa_queue(target: float, bounds: Bounds, window_s: float = 300.0) -> Policy:
+def hpa_queue(target: float, prefill: Bounds, decode: Bounds, window_s: float = 300.0) -> Policy:
     """The HPA's replica arithmetic on an AverageValue Pods metric, per pool."""
+    bounds = {"p": prefill, "d": decode}
     history: dict[str, list[tuple[float, int]]] = {"p": [], "d": []}
 
     def one(key: str, current: int, value: float, now: float) -> int:
         ratio = value / target
         desired = current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio)
-        desired = bounds.clamp(
+        desired = bounds[key].clamp(
             min(desired, max(2 * current, current + 4))
         )  # default scale-up policy
         h = [(t, n) for t, n in history[key] if now - t < window_s] + [(now, desired)]
@@ -467,7 +472,7 @@ def main() -> int:
                 simulate(
                     reqs,
                     trace.duration_s,
-                    hpa_queue(float(x), bounds),
+                    hpa_queue(float(x), Bounds(1, peak.prefill), Bounds(1, peak.decode)),
                     low.prefill,
                     low.decode,
                     **sim,
@@ -477,7 +482,7 @@ def main() -> int:
         ]
         print(
             f"trace {trace.name}: {len(reqs)} requests over {trace.duration_s / 3600:g} h, "
-            f"{args.low:g}..{args.high:g} req/s, prompt ~{trace.isl_mean:g} tok, "
+            f"{trace.low:g}..{trace.high:g} req/s, prompt ~{trace.isl_mean:g} tok, "
             f"output ~{trace.osl_mean:g} tok"
         )
         print(f"  {'policy':<22}{'SLO met':>9}{'TTFT ok':>9}{'ITL ok':>9}{'GPU-h':>8}{'peak':>6}")
@@ -490,7 +495,7 @@ def main() -> int:
 
         row(f"fixed-peak {peak.prefill}P+{peak.decode}D", fixed_r)
         for target, r in hpa:
-            row(f"hpa-queue target={target:g}", r)
+            row(f"hpa-queue target={target:g}", r)  # maxReplicas: the peak sizing
         row("slo-planner", plan_r)
         affordable = [r for _, r in hpa if r.gpu_hours <= plan_r.gpu_hours * 1.05]
         best_hpa = max(affordable, key=lambda r: r.attainment) if affordable else None

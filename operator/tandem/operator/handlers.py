@@ -24,6 +24,7 @@ from typing import Any
 
 import kopf
 
+from .autoscaling import KEDA_API_VERSION, autoscaler_condition
 from .kube import Kube, KubeError
 from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
 from .render import MANAGER, ROLE_LABEL, RenderOptions, download_job_name, render
@@ -40,7 +41,11 @@ from .status import (
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 KOPF_PREFIX = "kopf.tandem.dev"
 # Kinds that a spec change can make obsolete; the rest always exist for every spec.
-PRUNABLE = (("autoscaling/v2", "HorizontalPodAutoscaler"), ("batch/v1", "Job"))
+PRUNABLE = (
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("batch/v1", "Job"),
+    (KEDA_API_VERSION, "ScaledObject"),
+)
 
 log = logging.getLogger("tandem.operator")
 
@@ -228,6 +233,42 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         owner = labels.get(ENGINE_SELECTOR_LABEL)
         return {(namespace, owner): summarize_job(dict(body))} if owner else {}
 
+    def child_autoscaler(
+        namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+    ) -> dict[Any, Any]:
+        owner, role = labels.get(ENGINE_SELECTOR_LABEL), labels.get(ROLE_LABEL)
+        return {(namespace, owner): (role, dict(body))} if owner and role else {}
+
+    kopf.index(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        id="child_hpas",
+        labels=MANAGED,
+        registry=registry,
+    )(child_autoscaler)
+    kopf.index(
+        "keda.sh",
+        "v1alpha1",
+        "scaledobjects",
+        id="child_scaledobjects",
+        labels=MANAGED,
+        registry=registry,
+    )(child_autoscaler)
+
+    def autoscaler_status(
+        key: tuple[str, str], topology: Topology, indexes: dict[str, kopf.Index]
+    ) -> dict[str, Any] | None:
+        """The AutoscalerReady condition of the pools an HPA or ScaledObject scales."""
+        kinds = {"HPA": "child_hpas", "KEDA": "child_scaledobjects"}
+        found: dict[str, dict[str, Any] | None] = {}
+        for role in topology.engines:
+            if role.autoscaling is None or role.autoscaling.backend not in kinds:
+                continue
+            bodies = indexes[kinds[role.autoscaling.backend]].get(key, [])
+            found[role.role] = next((b for r, b in bodies if r == role.role), None)
+        return autoscaler_condition(found)
+
     def children(
         key: tuple[str, str], topology: Topology, indexes: dict[str, kopf.Index]
     ) -> Children:
@@ -259,7 +300,13 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         previous = dict(body.get("status") or {})
         observed = state.applied_generation.get(key, previous.get("observedGeneration"))
         new = compute_status(
-            isvc, topology, children(key, topology, indexes), observed, _now(), previous
+            isvc,
+            topology,
+            children(key, topology, indexes),
+            observed,
+            _now(),
+            previous,
+            autoscaler_status(key, topology, indexes),
         )
         if status_changed(previous, new):
             await asyncio.to_thread(kube().patch_status, key[0], key[1], new)
@@ -296,7 +343,11 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                     wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
                     for api_version, kind in PRUNABLE:
                         for existing in k.list(
-                            api_version, kind, namespace, f"{ENGINE_SELECTOR_LABEL}={name}"
+                            api_version,
+                            kind,
+                            namespace,
+                            f"{ENGINE_SELECTOR_LABEL}={name}",
+                            ok_missing=True,  # KEDA's CRDs may not be installed
                         ):
                             if (kind, existing["metadata"]["name"]) not in wanted:
                                 k.delete(
@@ -320,7 +371,16 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             await refresh_status(key, body, indexes)
 
     def _indexes(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
-        return {k: kwargs[k] for k in ("child_deployments", "child_pods", "child_jobs")}
+        return {
+            k: kwargs[k]
+            for k in (
+                "child_deployments",
+                "child_pods",
+                "child_jobs",
+                "child_hpas",
+                "child_scaledobjects",
+            )
+        }
 
     @kopf.on.create(*isvc_resource, registry=registry)
     async def created(body: kopf.Body, namespace: str, name: str, **kwargs: Any) -> None:
@@ -384,6 +444,20 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry)
     async def pod_event(
+        event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **kwargs: Any
+    ) -> None:
+        await on_child_event(event, namespace, labels, kwargs)
+
+    @kopf.on.event(
+        "autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED, registry=registry
+    )
+    async def hpa_event(
+        event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **kwargs: Any
+    ) -> None:
+        await on_child_event(event, namespace, labels, kwargs)
+
+    @kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED, registry=registry)
+    async def scaledobject_event(
         event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **kwargs: Any
     ) -> None:
         await on_child_event(event, namespace, labels, kwargs)

@@ -4,7 +4,7 @@ Every object carries the ``app.kubernetes.io/*`` and ``tandem.dev/*`` labels and
 InferenceService has a uid, a controller owner reference to it, so deleting the
 InferenceService lets the garbage collector remove everything rendered here. Fields that
 another controller owns are left out on purpose: an autoscaled role's Deployment has no
-``replicas`` (the HorizontalPodAutoscaler writes it), so server-side apply never fights it.
+``replicas`` (its HPA, ScaledObject or the planner writes it), so server-side apply never fights it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .autoscaling import autoscaler_objects
 from .plan import (
     COMPONENT_LABEL,
     ENGINE_SELECTOR_LABEL,
@@ -265,7 +266,7 @@ def engine_deployment(
         },
     }
     if role.autoscaling is None:
-        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its HPA
+        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -298,31 +299,6 @@ def pod_disruption_budget(isvc: InferenceService, topology: Topology, role: Role
         "spec": {
             "maxUnavailable": max_unavailable,
             "selector": {"matchLabels": selector_labels(topology, role.role)},
-        },
-    }
-
-
-def autoscaler(isvc: InferenceService, topology: Topology, role: RolePlan) -> Manifest:
-    assert role.autoscaling is not None
-    a = role.autoscaling
-    name = pool_name(topology, role)
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(isvc, topology, name, "engine", role.role),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicas": a.min_replicas,
-            "maxReplicas": a.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": a.metric},
-                        "target": {"type": "AverageValue", "averageValue": a.target_average_value},
-                    },
-                }
-            ],
         },
     }
 
@@ -523,8 +499,13 @@ def render(
             continue
         out.append(engine_service(isvc, topology, role))
         out.append(pod_disruption_budget(isvc, topology, role))
-        if role.autoscaling is not None:
-            out.append(autoscaler(isvc, topology, role))
+        out += autoscaler_objects(
+            role.autoscaling,
+            _meta(isvc, topology, pool_name(topology, role), "engine", role.role),
+            pool_name(topology, role),
+            role.role,
+            role.autoscaling.metric if role.autoscaling else "",
+        )
         if options.model_ready or topology.model.kind != "hf":
             out.append(engine_deployment(isvc, topology, role, options))
     return out

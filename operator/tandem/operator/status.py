@@ -223,6 +223,7 @@ def compute_status(
     observed_generation: int | None,
     now: str,
     previous: dict[str, Any] | None = None,
+    autoscaler: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole ``status`` of an InferenceService from its children.
 
@@ -294,6 +295,8 @@ def compute_status(
         degraded[0][1] if degraded else "no failures",
     )
     conditions = [ready, progressing, degraded_cond, *role_conditions]
+    if autoscaler is not None:  # autoscaling.autoscaler_condition
+        conditions.append(autoscaler)
 
     previous_conditions = {c.get("type"): c for c in (previous or {}).get("conditions") or []}
     for c in conditions:

@@ -39,6 +39,16 @@ just woke up is not put back to sleep between two bursts."""
 SCALE_DOWN_WINDOW_SECONDS = 300
 
 
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The ``prometheus.io/*`` pod annotations that annotation-based scrape configs follow
+    (where no Prometheus Operator runs; its PodMonitor, from the chart, ignores them)."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def queue_query(namespace: str, instance: str, role: str) -> str:
     """The pool's waiting requests, summed over its pods (KEDA divides by the target)."""
     return (

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .autoscaling import autoscaler_objects
+from .autoscaling import autoscaler_objects, scrape_annotations
 from .plan import (
     COMPONENT_LABEL,
     ENGINE_SELECTOR_LABEL,
@@ -260,7 +260,10 @@ def engine_deployment(
             "metadata": {
                 "labels": labels(topology, "engine", role.role),
                 # the proxy's discovery reads the model name from here
-                "annotations": {MODEL_ANNOTATION: topology.served_model_name},
+                "annotations": {
+                    MODEL_ANNOTATION: topology.served_model_name,
+                    **scrape_annotations(role.port),
+                },
             },
             "spec": pod_spec,
         },
@@ -349,7 +352,10 @@ def proxy_objects(
             "replicas": role.replicas,
             "selector": {"matchLabels": selector_labels(topology, "proxy")},
             "template": {
-                "metadata": {"labels": labels(topology, "proxy", "proxy")},
+                "metadata": {
+                    "labels": labels(topology, "proxy", "proxy"),
+                    "annotations": scrape_annotations(role.port),
+                },
                 "spec": {
                     "serviceAccountName": name,
                     "containers": [container],

@@ -462,6 +462,11 @@ class _ProxyCollector(Collector):
                 "Clients that left before their answer",
                 stats.client_disconnects,
             ),
+            (
+                "tandem_proxy_unserved_requests",
+                "Requests refused because no engine was running (activates a pool at zero)",
+                stats.unserved,
+            ),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
         yield SummaryMetricFamily(

@@ -144,3 +144,61 @@ def test_step_plans_both_pools() -> None:
     cfg = PlannerConfig(SLO, PROFILE, b, b)
     state, rec = step(PlannerState(PoolState(1), PoolState(1)), 0.0, Load(20.0, 1000, 200), cfg)
     assert (state.prefill.replicas, state.decode.replicas) == (rec.prefill, rec.decode)
+
+
+def test_load_from_metrics_and_one_planning_round() -> None:
+    from tandem.operator.planning import decide, load_from_samples
+
+    samples = {
+        "rate": 20.0,
+        "prompt_tokens": 20_000.0,
+        "output_tokens": 4_000.0,
+        "finished": 20.0,
+        "backlog": 0.0,
+        "ttft": None,
+        "itl": None,
+    }
+    load = load_from_samples(samples)
+    assert (load.rate, load.isl, load.osl) == (20.0, 1000.0, 200.0)
+    b = Bounds(1, 50)
+    cfg = PlannerConfig(SLO, PROFILE, b, b)
+    d = decide(None, 0.0, samples, cfg, current=(1, 1))
+    rec = recommend(load, PROFILE, SLO)
+    assert (d.prefill, d.decode) == (rec.prefill, rec.decode)
+    # engines measured twice as slow as the profile on decode: more decode replicas
+    slow = decide(None, 0.0, {**samples, "itl": 1.0}, cfg, current=(1, 1))
+    assert slow.decode > d.decode and slow.prefill == d.prefill
+    # no traffic and no series (a pool at zero): the minimum
+    idle = decide(None, 0.0, {}, PlannerConfig(SLO, PROFILE, Bounds(0, 5), Bounds(0, 5)), (0, 0))
+    assert (idle.prefill, idle.decode) == (0, 0)
+
+
+def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
+    import re
+
+    from tandem.operator.planning import queries
+    from tandem.server.api.metrics import ServerMetrics
+    from tandem.server.proxy.app import ProxySettings, _ProxyCollector, build_app
+
+    class Snap:  # the engine snapshot's fields the collector reads
+        num_waiting = num_running = num_sessions = total_blocks = free_blocks = 0
+        num_preemptions = block_size = 0
+        kv_utilization = prefix_hit_rate = 0.0
+        is_sleeping = False
+        state = "ready"
+
+    engine = ServerMetrics("m", lambda: Snap(), lambda: 0)
+    engine.ttft.observe(0.1)
+    engine.itl.observe(0.01)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    proxy_reg = CollectorRegistry()
+    proxy_state = build_app(ProxySettings()).state.proxy
+    proxy_state.flow.stats.count("/v1/completions", "disaggregated", 200)
+    proxy_reg.register(_ProxyCollector(proxy_state))
+    exported = engine.render().decode() + generate_latest(proxy_reg).decode()
+    declared = {line.split(" ")[2] for line in exported.splitlines() if line.startswith("# TYPE")}
+    for query in queries("ns", "svc").values():
+        for metric in re.findall(r"([a-z_:]+)\{", query):
+            family = re.sub(r"_(total|sum|count)$", "", metric)
+            assert metric in declared or family in declared, metric

@@ -27,6 +27,8 @@ import kopf
 from .autoscaling import KEDA_API_VERSION, autoscaler_condition
 from .kube import Kube, KubeError
 from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
+from .planner import PlannerState
+from .planning import run_planner
 from .render import MANAGER, ROLE_LABEL, RenderOptions, download_job_name, render
 from .spec import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
 from .status import (
@@ -40,6 +42,7 @@ from .status import (
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 KOPF_PREFIX = "kopf.tandem.dev"
+PLANNER_INTERVAL_SECONDS = 15.0
 # Kinds that a spec change can make obsolete; the rest always exist for every spec.
 PRUNABLE = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
@@ -68,6 +71,8 @@ class _State:
     kube: Kube | None = None
     applied_generation: dict[tuple[str, str], int] = field(default_factory=dict)
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    planner: dict[tuple[str, str], PlannerState] = field(default_factory=dict)
+    """The SLO planner's state (its stabilisation window) per InferenceService."""
     models_ready: set[tuple[str, str, str]] = field(default_factory=set)
     """(namespace, name, download Job) seen succeeded, in case the index lags the event."""
 
@@ -405,11 +410,41 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         Also how engines appear once an hf:// download finishes."""
         await reconcile(body, namespace, name, _indexes(kwargs), prune=False)
 
+    @kopf.timer(
+        *isvc_resource,
+        interval=PLANNER_INTERVAL_SECONDS,
+        when=lambda spec, **_: bool(spec.get("slo")),
+        registry=registry,
+    )
+    async def plan_pools(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+        """The Planner backend: size prefill and decode for spec.slo from live metrics."""
+        key = (namespace, name)
+        isvc = _isvc(_plain(body))
+        try:
+            decision = await asyncio.to_thread(
+                run_planner, kube(), isvc, state.planner.get(key), time.monotonic()
+            )
+        except (KubeError, OSError, KeyError, ValueError) as exc:
+            log.warning("[%s/%s] planner: %s", namespace, name, exc)
+            return
+        state.planner[key] = decision.state
+        log.info(
+            "[%s/%s] planner: %.2f req/s, isl %.0f, osl %.0f -> %d prefill, %d decode",
+            namespace,
+            name,
+            decision.load.rate,
+            decision.load.isl,
+            decision.load.osl,
+            decision.prefill,
+            decision.decode,
+        )
+
     @kopf.on.delete(*isvc_resource, optional=True, registry=registry)
     def deleted(namespace: str, name: str, **_: Any) -> None:
         """No finalizer (optional=True): forget our bookkeeping; the GC removes the children."""
         state.applied_generation.pop((namespace, name), None)
         state.locks.pop((namespace, name), None)
+        state.planner.pop((namespace, name), None)
         state.models_ready -= {k for k in state.models_ready if k[:2] == (namespace, name)}
 
     async def on_child_event(

@@ -133,8 +133,15 @@ def test_stabilize_scales_up_at_once_and_down_only_after_the_window() -> None:
     assert stabilize(s, 701, at_load=50, at_margin=60, bounds=bounds, cfg=cfg).replicas == 10
 
 
+def test_a_fresh_state_keeps_its_size_for_one_window() -> None:
+    s = stabilize(PoolState(6), 0, at_load=1, at_margin=1, bounds=Bounds(1, 10))
+    assert s.replicas == 6  # e.g. the operator restarted: no blind scale-down
+    s = stabilize(s, 301, at_load=1, at_margin=1, bounds=Bounds(1, 10))
+    assert s.replicas == 1
+
+
 def test_stabilize_respects_min_replicas_zero() -> None:
-    s = stabilize(PoolState(1), 0, at_load=0, at_margin=0, bounds=Bounds(0, 4))
+    s = stabilize(PoolState(1, ((-300, 1),)), 0, at_load=0, at_margin=0, bounds=Bounds(0, 4))
     assert s.replicas == 0
     assert stabilize(s, 1, at_load=1, at_margin=1, bounds=Bounds(0, 4)).replicas == 1
 

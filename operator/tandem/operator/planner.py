@@ -279,7 +279,10 @@ def stabilize(
     Up: at once to ``at_load``. Down: only when ``at_margin`` is below the current count,
     and then to the highest ``at_margin`` seen within the window.
     """
-    history = tuple((t, n) for t, n in state.history if now - t < cfg.scale_down_window_s) + (
+    # A fresh state (operator start) remembers its current size as just recommended, so a
+    # restart or an empty first window never drops a pool before a full window has passed.
+    past = state.history or ((now, state.replicas),)
+    history = tuple((t, n) for t, n in past if now - t < cfg.scale_down_window_s) + (
         (now, at_margin),
     )
     current = state.replicas

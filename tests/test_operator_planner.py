@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -209,3 +210,19 @@ def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
         for metric in re.findall(r"([a-z_:]+)\{", query):
             family = re.sub(r"_(total|sum|count)$", "", metric)
             assert metric in declared or family in declared, metric
+
+
+def test_the_example_service_and_its_profile_load() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from tandem.operator.planning import PROFILE_KEY, config_for
+    from tandem.operator.spec import load_inference_service
+
+    root = Path(__file__).resolve().parents[1]
+    cm, body = yaml.safe_load_all((root / "examples/slo-planner.yaml").read_text())
+    profile = EngineProfile.from_dict(json.loads(cm["data"][PROFILE_KEY]))
+    cfg = config_for(load_inference_service(body), profile)
+    assert cfg.slo == SloTarget(0.6, 0.025, 0.99)
+    assert (cfg.prefill_bounds, cfg.decode_bounds) == (Bounds(1, 16), Bounds(1, 8))

@@ -48,8 +48,9 @@ def main() -> int:
 
     from tandem.server.engine import LLM, SamplingParams
 
-    model = args.model
+    model, name = args.model, args.model
     if model is None:
+        name = "the tiny test model (TinyModelSpec())"
         from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
         model = str(make_tiny_model(tempfile.mkdtemp(prefix="tandem-profile-"), TinyModelSpec()))
@@ -97,7 +98,7 @@ def main() -> int:
         decode_step_s=tuple(rows),
         kv_cache_tokens=llm.engine.config.kv_cache_tokens or kv_tokens,
         max_num_seqs=llm.engine.config.max_num_seqs,
-        source=f"measured by bench/profile_engine.py on {model} ({args.threads} CPU thread(s))",
+        source=f"measured by bench/profile_engine.py on {name}, {args.threads} CPU thread(s)",
     )
     text = json.dumps(profile.to_dict(), indent=1)
     if args.out:

@@ -367,7 +367,9 @@ def simulate(
             if b != -1 and b != e.version:
                 continue  # superseded by a later change to this engine
             advance(e, now)
-            while e.running and e.running[0][0] <= e.v + 1e-9:
+            if b != -1 and e.running:  # the head's finish this event was scheduled for:
+                e.v = max(e.v, e.running[0][0])  # exact, whatever the float rounding of now
+            while e.running and e.running[0][0] <= e.v + 1e-6:
                 _, i = heapq.heappop(e.running)
                 reqs[i].finish = now
                 e.kv -= reqs[i].isl + reqs[i].osl

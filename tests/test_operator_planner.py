@@ -44,6 +44,8 @@ def test_profile_interpolates_and_round_trips() -> None:
     assert PROFILE.prefill_seconds(1000) == pytest.approx(0.1)
     assert PROFILE.step_seconds(51, 500) == pytest.approx(0.0151)
     assert EngineProfile.from_dict(PROFILE.to_dict()) == PROFILE
+    falling = EngineProfile(**{**PROFILE.__dict__, "prefill_tps": (20_000.0, 10_000.0)})
+    assert falling.prefill_seconds(40_000) == pytest.approx(4.0)  # held at 10,000 tokens/s
 
 
 def test_prefill_utilisation_solves_the_kingman_tail() -> None:

@@ -36,10 +36,13 @@ from statistics import NormalDist
 from typing import Any
 
 
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through the points, extrapolated linearly past both ends."""
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float, flat: bool = False) -> float:
+    """Piecewise-linear through the points, extrapolated linearly past both ends (or held at
+    the end values with ``flat``)."""
     if len(xs) == 1:
         return ys[0]
+    if flat and not xs[0] <= x <= xs[-1]:
+        return ys[0] if x < xs[0] else ys[-1]
     i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -64,7 +67,9 @@ class EngineProfile:
     source: str = ""
 
     def prefill_seconds(self, isl: float) -> float:
-        tps = max(_interp(self.prefill_isl, self.prefill_tps, isl), 1e-9)
+        # throughput past the measured lengths is held, not extrapolated: a falling slope
+        # would reach zero, a rising one promise what was never measured
+        tps = _interp(self.prefill_isl, self.prefill_tps, isl, flat=True)
         return isl / tps
 
     def step_seconds(self, batch: float, ctx: float) -> float:

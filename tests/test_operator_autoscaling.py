@@ -6,9 +6,11 @@ from typing import Any
 
 import pytest
 
-from tandem.operator.autoscaling import autoscaler_condition, demand_query, queue_query
+from tandem.operator.autoscaling import demand_query, queue_query, scaled_object_health
+from tandem.operator.plan import plan
 from tandem.operator.render import render
 from tandem.operator.spec import load_inference_service
+from tandem.operator.status import AutoscalerSummary, Children, compute_status
 
 SLO = {"ttftMs": 600, "itlMs": 25, "profileConfigMap": "llama-8b-h100"}
 
@@ -90,51 +92,32 @@ def test_planner_backend_renders_no_autoscaler_and_needs_slo_on_both_pools() -> 
         isvc(mode="Aggregated", slo=SLO, decode={"autoscaling": planned})
 
 
-def _hpa(**conds: tuple[str, str]) -> dict[str, Any]:
+def _so(**conds: tuple[str, str]) -> dict[str, Any]:
     return {
-        "kind": "HorizontalPodAutoscaler",
-        "status": {
-            "conditions": [
-                {"type": t, "status": s, "reason": r, "message": f"{t} says {r}"}
-                for t, (s, r) in conds.items()
-            ]
-        },
-    }
-
-
-def test_condition_reports_an_hpa_that_cannot_read_its_metric() -> None:
-    broken = _hpa(
-        AbleToScale=("True", "SucceededGetScale"),
-        ScalingActive=("False", "FailedGetPodsMetric"),
-    )
-    ok = _hpa(AbleToScale=("True", "SucceededGetScale"), ScalingActive=("True", "ValidMetricFound"))
-    cond = autoscaler_condition({"decode": broken, "prefill": ok})
-    assert cond is not None
-    assert (cond["type"], cond["status"], cond["reason"]) == (
-        "AutoscalerReady",
-        "False",
-        "FailedGetPodsMetric",
-    )
-    assert "decode" in cond["message"] and "ScalingActive=False" in cond["message"]
-    good = autoscaler_condition({"decode": ok})
-    assert good is not None and good["status"] == "True"
-
-
-def test_condition_for_scaled_objects_and_missing_autoscalers() -> None:
-    idle = {
         "kind": "ScaledObject",
         "status": {
             "conditions": [
-                {"type": "Ready", "status": "True", "reason": "ScaledObjectReady"},
-                {"type": "Active", "status": "False", "reason": "ScalerNotActive"},
+                {"type": t, "status": st, "reason": r, "message": f"{t} says {r}"}
+                for t, (st, r) in conds.items()
             ]
         },
     }
-    cond = autoscaler_condition({"decode": idle})
-    assert cond is not None and cond["status"] == "True" and "idle" in cond["message"]
-    fresh = {"kind": "ScaledObject", "status": {}}
-    cond = autoscaler_condition({"decode": fresh})
-    assert cond is not None and (cond["status"], cond["reason"]) == ("False", "AutoscalerPending")
-    cond = autoscaler_condition({"decode": None})
-    assert cond is not None and cond["reason"] == "AutoscalerMissing"
-    assert autoscaler_condition({}) is None
+
+
+def test_scaled_object_health_feeds_the_autoscaling_condition() -> None:
+    broken = _so(Ready=("False", "ScaledObjectCheckFailed"), Active=("False", "ScalerNotActive"))
+    assert scaled_object_health(broken) == (
+        False,
+        "ScaledObjectCheckFailed",
+        "Ready says ScaledObjectCheckFailed",
+    )
+    idle = _so(Ready=("True", "ScaledObjectReady"), Active=("False", "ScalerNotActive"))
+    assert scaled_object_health(idle)[0] is True  # at zero with no demand: healthy
+    assert scaled_object_health({"kind": "ScaledObject"}) == (None, "", "")  # KEDA not there
+
+    isvc_ = isvc(decode={"autoscaling": {"backend": "KEDA", "minReplicas": 0, "maxReplicas": 2}})
+    children = Children(autoscalers=[AutoscalerSummary("decode", *scaled_object_health(broken))])
+    status = compute_status(isvc_, plan(isvc_), children, 1, "2026-01-01T00:00:00Z")
+    cond = next(c for c in status.conditions if c.type == "AutoscalingActive")
+    assert (cond.status, cond.reason) == ("False", "AutoscalingInactive")
+    assert "ScaledObjectCheckFailed" in cond.message

@@ -164,64 +164,19 @@ def autoscaler_objects(
 
 # ---------------------------------------------------------------- health ----------------------
 
-AUTOSCALER_CONDITION = "AutoscalerReady"
 
-
-def _find(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | None:
-    return next((c for c in conditions if c.get("type") == type_), None)
-
-
-def autoscaler_health(role: str, obj: dict[str, Any] | None) -> tuple[bool, str, str]:
-    """(ok, reason, message) of one pool's HPA or ScaledObject, from its status conditions.
-
-    An HPA that cannot read its metric says ``ScalingActive=False`` (reason e.g.
-    ``FailedGetPodsMetric``) and otherwise does nothing: that is reported, never hidden. A
-    ScaledObject reports ``Ready`` (its triggers and target resolve) and ``Active``; a pool
-    at zero is inactive, which is healthy.
-    """
-    if obj is None:
-        return False, "AutoscalerMissing", f"{role}: the autoscaler does not exist yet"
-    conditions = (obj.get("status") or {}).get("conditions") or []
-    kind = obj.get("kind")
-    if kind == "HorizontalPodAutoscaler":
-        for type_ in ("AbleToScale", "ScalingActive"):
-            c = _find(conditions, type_)
-            if c is None:
-                return False, "AutoscalerPending", f"{role}: the HPA has not reported {type_}"
-            if c.get("status") != "True":
-                reason = c.get("reason") or type_
-                return False, reason, f"{role}: {type_}=False {reason}: {c.get('message', '')}"
-        return True, "ScalingActive", f"{role}: the HPA reads its metric"
-    ready = _find(conditions, "Ready")
+def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
+    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
+    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
+    resolved its triggers and target. None while KEDA has not reported (or does not run).
+    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
+    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready")
     if ready is None or ready.get("status") == "Unknown":
-        return False, "AutoscalerPending", f"{role}: KEDA has not reconciled the ScaledObject"
-    if ready.get("status") != "True":
-        reason = ready.get("reason") or "ScaledObjectNotReady"
-        return False, reason, f"{role}: ScaledObject not ready: {ready.get('message', '')}"
-    active = _find(conditions, "Active")
-    idle = active is not None and active.get("status") == "False"
-    return True, "Ready", f"{role}: KEDA scales the pool" + (" (idle)" if idle else "")
-
-
-def autoscaler_condition(objects: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The InferenceService's ``AutoscalerReady`` condition from each autoscaled pool's
-    HPA or ScaledObject (``None`` where it does not exist yet); ``None`` when no pool is
-    autoscaled by one."""
-    if not objects:
-        return None
-    states = [autoscaler_health(role, obj) for role, obj in sorted(objects.items())]
-    bad = [s for s in states if not s[0]]
-    if bad:
-        _, reason, message = bad[0]
-        return {
-            "type": AUTOSCALER_CONDITION,
-            "status": "False",
-            "reason": reason,
-            "message": message,
-        }
-    return {
-        "type": AUTOSCALER_CONDITION,
-        "status": "True",
-        "reason": "AutoscalersActive",
-        "message": "; ".join(s[2] for s in states),
-    }
+        return None, "", ""
+    ok = ready.get("status") == "True"
+    return (
+        ok,
+        ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
+        (ready.get("message") or ""),
+    )

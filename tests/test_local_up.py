@@ -45,7 +45,7 @@ def _spec(tmp_path: Path, **spec) -> str:
 
 def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) -> None:
     topo = local.load_plan(_args(model=str(llama_dir)))
-    assert topo.mode == "Disaggregated" and topo.served_model_name == local.DEFAULT_NAME
+    assert topo.mode == "Disaggregated" and topo.served_model_name == llama_dir.name
     roles = {r.role: r for r in topo.roles}
     assert (roles["prefill"].replicas, roles["decode"].replicas) == (1, 1)
     args = roles["prefill"].args
@@ -126,7 +126,9 @@ def _port_open(url: str) -> bool:
         return False
 
 
-def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(
+    tmp_path: Path, llama_dir: Path
+) -> None:
     env = dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
     env.pop("TANDEM_PROXY_API_KEY", None)
     env.pop("TANDEM_API_KEY", None)
@@ -136,6 +138,8 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
             "-m",
             "tandem.server.cli",
             "up",
+            "--model",
+            str(llama_dir),
             "--port",
             "0",
             "--api-key",
@@ -165,9 +169,9 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
         engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
         assert len(engine_urls) == 2
         client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tandem-tiny"]
+        assert [m.id for m in client.models.list().data] == [llama_dir.name]
         r = client.chat.completions.create(
-            model="tandem-tiny",
+            model=llama_dir.name,
             messages=[{"role": "user", "content": "Hello"}],
             max_tokens=8,
             temperature=0,
@@ -176,7 +180,7 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
         text = "".join(
             c.choices[0].text
             for c in client.completions.create(
-                model="tandem-tiny",
+                model=llama_dir.name,
                 prompt="Once upon a time",
                 max_tokens=8,
                 temperature=0,

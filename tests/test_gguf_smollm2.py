@@ -7,11 +7,7 @@ The model is fetched once into the user's cache (``default_model_path``, the sam
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jinja2
@@ -23,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.server.engine import LLM, SamplingParams
 from tandem.server.engine.default_model import NAME, default_model_path
+
+from .up_helpers import start_up
 
 PROMPTS = [
     "What is the capital of France?",
@@ -99,29 +97,10 @@ def test_tandem_up_with_no_model_answers_in_real_language(
 ) -> None:
     """The README's `tandem up`: the default model, P/D, the official openai client."""
     tok, model = reference
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    env.pop("TANDEM_PROXY_API_KEY", None)
-    env.pop("TANDEM_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.server.cli", "up", "--port", "0"]
-        + ["--log-dir", str(tmp_path), "--grace", "10"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    proc, base, _ = start_up(
+        ["--port", "0", "--log-dir", str(tmp_path), "--grace", "10"], dict(os.environ), 400
     )
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 400
-        base = None
-        while time.monotonic() < deadline and base is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"OpenAI base URL: (\S+)", line):
-                base = m.group(1)
-        assert base, "".join(lines)
         client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [NAME]
         messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,8 @@ import pytest
 import yaml
 
 from tandem.server import local
+
+from .up_helpers import start_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -129,43 +130,13 @@ def _port_open(url: str) -> bool:
 def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(
     tmp_path: Path, llama_dir: Path
 ) -> None:
-    env = dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
-    env.pop("TANDEM_PROXY_API_KEY", None)
-    env.pop("TANDEM_API_KEY", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tandem.server.cli",
-            "up",
-            "--model",
-            str(llama_dir),
-            "--port",
-            "0",
-            "--api-key",
-            "sk-up",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--grace",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    proc, base, lines = start_up(
+        ["--model", str(llama_dir), "--port", "0", "--api-key", "sk-up"]
+        + ["--log-dir", str(tmp_path / "logs"), "--grace", "10"],
+        dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache")),
+        timeout=180,
     )
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        base = None
-        while time.monotonic() < deadline and base is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"OpenAI base URL: (\S+)", line):
-                base = m.group(1)
-        assert base, "".join(lines)
         engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
         assert len(engine_urls) == 2
         client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=60)

@@ -21,8 +21,16 @@ from tandem.server.engine import LLM, SamplingParams
 from tandem.server.engine.gguf_loader import gguf_tensors, hf_name
 from tandem.server.engine.models.config import ModelConfig, ModelLoadError
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
+from tandem.server.engine.tokenizer import load_tokenizer
 
 from .gguf_files import encoder, llama_permute, write_gguf
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch) -> None:
+    """Converted tokenizers of these throwaway files go to the test's cache, not the user's."""
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+
 
 PROMPTS = ["Hello there, how are you", "The cat sat on", "Once upon a time, in a land far"]
 
@@ -43,6 +51,13 @@ def test_f32_gguf_generates_exactly_what_transformers_does(tiny_models, tmp_path
     assert [tok.encode(p) for p in PROMPTS] == [hf_tok.encode(p) for p in PROMPTS]
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert tok.apply_chat_template(chat, tokenize=False) == hf_tok.apply_chat_template(
+        chat, tokenize=False
+    )
+    again = load_tokenizer(path)  # saved in the cache by the first load, and read from there
+    assert again is not tok and [again.encode(p) for p in PROMPTS] == [
+        tok.encode(p) for p in PROMPTS
+    ]
+    assert again.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(
         chat, tokenize=False
     )
     prompts = [hf_tok.encode(p) for p in PROMPTS]

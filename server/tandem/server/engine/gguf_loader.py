@@ -14,7 +14,10 @@ weight is dequantized.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,14 +173,34 @@ def unpermute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def load_gguf_tokenizer(path: str | Path) -> Any:
-    """The file's tokenizer and chat template, built by transformers' GGUF converter."""
+    """The file's tokenizer and chat template, built by transformers' GGUF converter.
+
+    Converting a 50k-token vocabulary takes seconds and a server loads its tokenizer more
+    than once, so the result is saved in the cache, keyed by the file (path, size, mtime)
+    and the transformers version, and later loads read that.
+    """
+    import transformers
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    from .default_model import cache_dir
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    saved = cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(saved))
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds on unsupported files
         raise ModelLoadError(f"{path}: cannot build a tokenizer from the file: {exc}") from None
+    tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+    tokenizer.save_pretrained(str(tmp))
+    try:
+        tmp.rename(saved)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def _check_tensors(reader: Any, path: str | Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.operator.plan import plan
-from tandem.operator.render import RenderOptions, render
+from tandem.operator.render import RenderOptions, internal_credential_secret, render
 from tandem.operator.spec import load_inference_service
 from tandem.operator.status import (
     Children,
@@ -37,6 +37,7 @@ def by_kind_name(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
 def test_disaggregated_renders_each_role_with_its_service_and_pdb() -> None:
     objs = by_kind_name(render(isvc(prefill={"replicas": 2, "gpus": 2}, decode={"replicas": 3})))
     assert set(objs) == {
+        ("NetworkPolicy", "svc-engines"),
         ("Deployment", "svc-prefill"),
         ("Service", "svc-prefill"),
         ("PodDisruptionBudget", "svc-prefill"),
@@ -137,9 +138,9 @@ def test_proxy_discovers_engines_with_rbac_and_serves_the_endpoint() -> None:
     container = proxy["containers"][0]
     args = container["args"]
     assert args[:2] == ["proxy", "--discovery"] and "--selector" in args
-    assert args[args.index("--api-key") + 1] == "$(TANDEM_API_KEY)"
+    assert "--api-key" not in args  # kubelet-expanded arguments would show the key in ps
     assert {
-        "name": "TANDEM_API_KEY",
+        "name": "TANDEM_PROXY_API_KEY",
         "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}},
     } in container["env"]
     role = objs[("Role", "svc-proxy")]
@@ -358,3 +359,65 @@ def test_condition_transition_time_moves_only_on_a_change() -> None:
     after = compute_status(svc, plan(svc), broken, 1, now="t2", previous=again)
     times = {c["type"]: c["lastTransitionTime"] for c in after["conditions"]}
     assert times["Ready"] == times["PrefillReady"] == "t2" and times["DecodeReady"] == "t0"
+
+
+def test_engines_get_the_internal_credential_from_a_secret_and_a_network_policy() -> None:
+    """Issue 11, findings 3 and 6: engine pods refuse callers without the internal credential
+    (they get it from a Secret, as an environment variable), no key is ever an argument, and
+    only their own InferenceService's pods can reach them."""
+    spec = isvc(
+        prefill={"replicas": 1}, decode={"replicas": 2}, proxy={"apiKeySecret": {"name": "keys"}}
+    )
+    objs = by_kind_name(render(spec))
+    ref = {
+        "name": "TANDEM_INTERNAL_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "svc-internal", "key": "internal-api-key"}},
+    }
+    for name in ("svc-prefill", "svc-decode", "svc-proxy"):
+        container = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert ref in container["env"], name
+        assert not any("key" in arg.lower() for arg in container["args"]), container["args"]
+        assert not any("value" in e and "KEY" in e["name"] for e in container["env"])
+    policy = objs[("NetworkPolicy", "svc-engines")]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
+    spec_ = policy["spec"]
+    assert spec_["policyTypes"] == ["Ingress"]
+    engine_labels = objs[("Deployment", "svc-decode")]["spec"]["template"]["metadata"]["labels"]
+    proxy_labels = objs[("Deployment", "svc-proxy")]["spec"]["template"]["metadata"]["labels"]
+    selected = spec_["podSelector"]["matchLabels"]
+    assert selected.items() <= engine_labels.items()
+    assert not selected.items() <= proxy_labels.items()  # the public proxy is not locked down
+    peers, scraper = spec_["ingress"]
+    peer_labels = peers["from"][0]["podSelector"]["matchLabels"]
+    assert "ports" not in peers  # HTTP and the KV transport's port
+    assert (
+        peer_labels.items() <= proxy_labels.items() and peer_labels.items() <= engine_labels.items()
+    )
+    assert "namespaceSelector" not in peers["from"][0]  # this namespace only
+    # another InferenceService's pods are not peers
+    other = by_kind_name(render(load_inference_service({**spec_body("other")})))
+    other_labels = other[("Deployment", "other-engine")]["spec"]["template"]["metadata"]["labels"]
+    assert not peer_labels.items() <= other_labels.items()
+    assert scraper["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert scraper["from"][0]["podSelector"]["matchLabels"] == {
+        "tandem.dev/metrics-scraper": "true"
+    }
+
+
+def spec_body(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {"mode": "Aggregated", "model": {"name": "tiny", "uri": "/models/tiny"}},
+    }
+
+
+def test_internal_credential_secret_is_rendered_from_the_given_token() -> None:
+    spec = isvc()
+    topology = plan(spec)
+    secret = internal_credential_secret(spec, topology, "tok")
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "svc-internal"
+    assert secret["stringData"] == {"internal-api-key": "tok"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert ("Secret", "svc-internal") not in by_kind_name(render(spec))  # created once, not applied

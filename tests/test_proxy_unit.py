@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from tandem.server.api.auth import Credentials
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
@@ -363,8 +364,9 @@ def _call(app, method: str, path: str, **kw) -> httpx.Response:
 
 
 def test_app_auth_validation_and_no_engines() -> None:
-    app = build_app(ProxySettings(api_key="k"))
+    app = build_app(ProxySettings(api_key="k", credentials=Credentials(admin_key="adm")))
     auth = {"Authorization": "Bearer k"}
+    admin = {"Authorization": "Bearer adm"}
     r = _call(app, "POST", "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = _call(
@@ -384,13 +386,15 @@ def test_app_auth_validation_and_no_engines() -> None:
     r = _call(app, "POST", "/v1/completions", json=[1, 2], headers=auth)
     assert r.status_code == 400
     r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=auth)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"  # a client key
+    r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=admin)
     assert r.status_code == 400 and r.json()["error"]["param"] == "url"
     r = _call(
         app,
         "POST",
         "/nodes/add",
         json={"url": "http://127.0.0.1:9", "status": {"role": 7}},
-        headers=auth,
+        headers=admin,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "status.role"
     r = _call(app, "GET", "/nope", headers=auth)

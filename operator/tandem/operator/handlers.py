@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +27,14 @@ import kopf
 
 from .kube import Kube, KubeError
 from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
-from .render import MANAGER, ROLE_LABEL, RenderOptions, download_job_name, render
+from .render import (
+    MANAGER,
+    ROLE_LABEL,
+    RenderOptions,
+    download_job_name,
+    internal_credential_secret,
+    render,
+)
 from .spec import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
 from .status import (
     Children,
@@ -290,6 +298,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
 
             def apply_all() -> None:
                 k = kube()
+                k.create_if_absent(
+                    internal_credential_secret(isvc, topology, secrets.token_urlsafe(32))
+                )
                 for manifest in manifests:
                     k.apply(manifest)
                 if prune:

@@ -27,6 +27,8 @@ PLURALS = {
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
     "InferenceService": "inferenceservices",
 }
 
@@ -101,6 +103,23 @@ class Kube:
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        """Create once, never update (a generated credential must not change under running
+        pods); True when this call created it."""
+        meta = manifest["metadata"]
+        try:
+            self.request(
+                "POST",
+                collection_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace")),
+                manifest,
+                query=[("fieldManager", FIELD_MANAGER)],
+            )
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         path = (

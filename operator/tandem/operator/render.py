@@ -32,6 +32,8 @@ MANAGER = "tandem-operator"
 PRESTOP_SECONDS = 5  # let the proxy and EndpointSlices drop the pod before SIGTERM
 GRACE_MARGIN_SECONDS = 10
 STARTUP_PERIOD_SECONDS = 10
+INTERNAL_KEY = "internal-api-key"  # the key in the internal-credential Secret
+METRICS_SCRAPER_LABEL = "tandem.dev/metrics-scraper"
 
 Manifest = dict[str, Any]
 
@@ -185,6 +187,66 @@ def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+def internal_secret_name(topology: Topology) -> str:
+    return f"{topology.name}-internal"
+
+
+def internal_credential_secret(isvc: InferenceService, topology: Topology, token: str) -> Manifest:
+    """The credential the proxy and the engines share (``docs/security.md``). Rendered from a
+    token the operator generates once: it is created when absent and never re-applied, so
+    running pods and new ones always agree."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(isvc, topology, internal_secret_name(topology), "credentials"),
+        "type": "Opaque",
+        "stringData": {INTERNAL_KEY: token},
+    }
+
+
+def internal_credential_env(topology: Topology) -> dict[str, Any]:
+    """The internal credential as an environment variable from its Secret (never an argument)."""
+    return {
+        "name": "TANDEM_INTERNAL_API_KEY",
+        "valueFrom": {
+            "secretKeyRef": {"name": internal_secret_name(topology), "key": INTERNAL_KEY}
+        },
+    }
+
+
+def network_policy(isvc: InferenceService, topology: Topology) -> Manifest:
+    """Engine pods accept traffic (HTTP and the KV transport) only from this InferenceService's
+    own pods (its proxy and peer engines), plus pods labelled ``tandem.dev/metrics-scraper``
+    (any namespace) on the HTTP port for /metrics. Kubelet probes are not subject to it."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isvc, topology, f"{topology.name}-engines", "engine"),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {ENGINE_SELECTOR_LABEL: topology.name, COMPONENT_LABEL: "engine"}
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": {ENGINE_SELECTOR_LABEL: topology.name}}}
+                    ]
+                },
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {},
+                            "podSelector": {"matchLabels": {METRICS_SCRAPER_LABEL: "true"}},
+                        }
+                    ],
+                    "ports": [{"port": "http", "protocol": "TCP"}],
+                },
+            ],
+        },
+    }
+
+
 def engine_deployment(
     isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
 ) -> Manifest:
@@ -202,7 +264,7 @@ def engine_deployment(
         "imagePullPolicy": engine.image_pull_policy or options.image_pull_policy,
         "args": [*role.args, "--host", "0.0.0.0", "--port", str(role.port)],
         "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
-        "env": _env(role.env),
+        "env": [*_env(role.env), internal_credential_env(topology)],
         "resources": _resources(role.spec.resources, role.gpus),
         # Loading weights can take many minutes: the startup probe allows startupTimeoutSeconds
         # before liveness starts counting; readiness is "the model is being served".
@@ -229,8 +291,6 @@ def engine_deployment(
         "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
-    if not container["env"]:
-        del container["env"]
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -334,11 +394,12 @@ def proxy_objects(
     name = pool_name(topology, role)
     proxy = isvc.spec.proxy
     args = [*role.args, "--host", "0.0.0.0", "--port", str(role.port)]
-    env: list[dict[str, Any]] = _env(role.env)
+    env: list[dict[str, Any]] = [*_env(role.env), internal_credential_env(topology)]
     if proxy.api_key_secret:
+        # read from the environment by the proxy: never an argument, which ps would show
         env.append(
             {
-                "name": "TANDEM_API_KEY",
+                "name": "TANDEM_PROXY_API_KEY",
                 "valueFrom": {
                     "secretKeyRef": {
                         "name": proxy.api_key_secret.name,
@@ -347,7 +408,6 @@ def proxy_objects(
                 },
             }
         )
-        args += ["--api-key", "$(TANDEM_API_KEY)"]  # expanded by the kubelet, never in the manifest
     container: dict[str, Any] = {
         "name": "proxy",
         "image": isvc.spec.engine.image or options.image,
@@ -363,8 +423,7 @@ def proxy_objects(
         },
         "securityContext": _container_security(),
     }
-    if env:
-        container["env"] = env
+    container["env"] = env
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -517,6 +576,7 @@ def render(
     """Every child object of an InferenceService, in an order that applies cleanly."""
     topology = topology or plan(isvc)
     out = model_objects(isvc, topology, options)
+    out.append(network_policy(isvc, topology))
     for role in topology.roles:
         if not role.is_engine:
             out += proxy_objects(isvc, topology, role, options)

@@ -113,9 +113,7 @@ class Job:
                 if isinstance(item, BaseException):
                     raise api_error(item)
                 if item.error is not None:  # ended without finishing, e.g. a failed KV pull
-                    raise APIError(
-                        502, item.error, code="kv_transfer_error", type="kv_transfer_error"
-                    )
+                    raise APIError(502, item.error, code="kv_transfer_error", type="server_error")
                 latest[rid] = item
                 self.last[rid] = item
                 if item.finished:

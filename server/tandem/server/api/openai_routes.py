@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from . import mapping
 from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, submit
+from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
@@ -76,6 +77,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     text = mapping.render_chat(state.tokenizer, body, conversation)
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
+    check_kv_transfer(state, request, body.kv_transfer_params, [prompt_ids])
     job = await submit(
         state,
         request_id,
@@ -111,6 +113,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     return _with_handoff(
+        state,
         mapping.chat_response(
             request_id=request_id,
             created=created,
@@ -225,6 +228,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
         )
+    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
     job = await submit(
         state,
         request_id,
@@ -257,6 +261,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     return _with_handoff(
+        state,
         mapping.completion_response(
             request_id=request_id,
             created=created,
@@ -271,10 +276,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
-def _with_handoff(response: dict[str, Any], outputs: list[Any]) -> dict[str, Any]:
+def _with_handoff(
+    state: ServerState, response: dict[str, Any], outputs: list[Any]
+) -> dict[str, Any]:
     """A prefill engine's answer carries the handle the decode engine pulls the KV cache with."""
     if outputs and outputs[0].kv_transfer_params is not None:
-        response["kv_transfer_params"] = outputs[0].kv_transfer_params
+        response["kv_transfer_params"] = signed(
+            state, outputs[0].kv_transfer_params, outputs[0].prompt_token_ids
+        )
     return response
 
 

@@ -547,7 +547,30 @@ class PDFlow:
                 # D refused or failed before answering: it freed its own blocks; P's lease goes too.
                 self.stats.decode_failures += resp.status_code >= 500
                 self._spawn(self.free_cache(prefill, kv))
-                return await self._relay(node, resp, request, body), "disaggregated"
+                if resp.status_code != 502:
+                    return await self._relay(node, resp, request, body), "disaggregated"
+                try:
+                    content = await watch_client(resp.aread(), request)
+                finally:
+                    await resp.aclose()
+                if not _kv_transfer_failed(content):
+                    return _as_response(resp, content), "disaggregated"
+                # The pull from P failed (P died or hung after answering): P is suspect, and D
+                # recomputes the prompt itself. Never the same failed pair again.
+                self.stats.prefill_failures += 1
+                self.registry.record_failure(
+                    prefill.url, "a decode engine's KV pull from it failed"
+                )
+                self.stats.fallbacks_aggregated += 1
+                log.warning(
+                    "KV pull from %s to %s failed; serving aggregated on %s",
+                    prefill.url,
+                    node.url,
+                    node.url,
+                )
+                return await self.forward(
+                    node, kind, body, request, chunks, decoders
+                ), "aggregated_fallback"
             self.prefix.record(node.url, chunks)
             pf = prefill
 
@@ -568,6 +591,19 @@ class PDFlow:
             )
         self.stats.fallbacks_aggregated += 1
         return await self.forward(rest[0], kind, body, request, chunks, rest), "aggregated_fallback"
+
+
+def _kv_transfer_failed(content: bytes) -> bool:
+    try:
+        error = json.loads(content).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "kv_transfer_error"
+
+
+def _as_response(resp: httpx.Response, content: bytes) -> Response:
+    headers = {"content-type": resp.headers.get("content-type", "application/json")}
+    return Response(content, status_code=resp.status_code, headers=headers)
 
 
 class _Unreachable(Exception):

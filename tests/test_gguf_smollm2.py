@@ -98,10 +98,12 @@ def test_tandem_up_with_no_model_answers_in_real_language(
     """The README's `tandem up`: the default model, P/D, the official openai client."""
     tok, model = reference
     proc, base, _ = start_up(
-        ["--port", "0", "--log-dir", str(tmp_path), "--grace", "10"], dict(os.environ), 400
+        ["--port", "0", "--api-key", "sk-up", "--log-dir", str(tmp_path), "--grace", "10"],
+        dict(os.environ),
+        400,
     )
     try:
-        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [NAME]
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = client.chat.completions.create(

@@ -2,7 +2,7 @@
 
 Random prompts with lengths uniform in 16..256 and outputs uniform in 16..128 (ignore_eos),
 greedy, on each model asked for: the random tiny Llama (64 prompts) and the default model,
-SmolLM2-135M-Instruct from its Q4_1 GGUF (24 prompts; both sides run the same dequantized
+SmolLM2-135M-Instruct from its Q4_1 GGUF (12 prompts; both sides run the same dequantized
 float32 weights). Two transformers baselines:
 
 - static ``generate``: one left-padded batch with ``max_new_tokens`` set to the longest
@@ -140,7 +140,7 @@ def resolve(model: str) -> tuple[str, int]:
     if model == "smollm2":
         from tandem.server.engine.default_model import default_model_path
 
-        return str(default_model_path()), 24
+        return str(default_model_path()), 12
     return model, 64
 
 
@@ -197,7 +197,7 @@ def main() -> None:
         help="tiny, smollm2 (the default model's GGUF), or a model directory / .gguf; repeat "
         "for several (default: tiny and smollm2)",
     )
-    parser.add_argument("--num-prompts", type=int, default=None, help="default: 64, smollm2 24")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 64, smollm2 12")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -408,7 +408,8 @@ def test_wrong_types_are_400(http: httpx.Client, field: str, value: object) -> N
         ("logit_bias", {"abc": 1}, "logit_bias"),
         ("logit_bias", {"99999999": 1}, "logit_bias"),
         ("presence_penalty", 5.0, "presence_penalty"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("response_format", {"type": "yaml"}, "response_format.type"),  # an unknown type
+        ("response_format", {"type": "regex_schema", "regex_schema": "("}, "response_format"),
     ],
 )
 def test_bad_values_are_400(http: httpx.Client, field: str, value: object, param: str) -> None:

@@ -14,6 +14,7 @@ from tandem.server.api.native_routes import ollama_sampling_params
 from tandem.server.api.ops_routes import format_uptime
 from tandem.server.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.server.api.state import ServerSettings
+from tandem.server.api.tool_parsers import tool_plan
 from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
 
 from .api_helpers import make_model
@@ -84,8 +85,8 @@ def test_chat_logprob_count_and_checks() -> None:
     assert mapping.chat_logprobs_count(_chat(logprobs=True, top_logprobs=4)) == 4
     with pytest.raises(APIError):
         mapping.chat_logprobs_count(_chat(top_logprobs=2))
-    with pytest.raises(APIError):
-        mapping.check_chat_request(_chat(tool_choice="required"))
+    with pytest.raises(APIError):  # required without tools
+        tool_plan(None, "required", True, "hermes")
     mapping.check_chat_request(_chat(response_format={"type": "text"}, tool_choice="auto"))
 
 

@@ -21,6 +21,7 @@ from tandem.server.engine import (
     RequestOutput,
     SamplingParams,
 )
+from tandem.server.engine.structured import GrammarError, GrammarSpec
 
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
 from .errors import APIError
@@ -147,6 +148,16 @@ class Job:
                 self.abort_unfinished()
 
 
+async def compile_grammar(state: ServerState, spec: GrammarSpec) -> None:
+    """Compile on the engine's grammar thread before adding, so a schema the library refuses
+    is this request's 400 and a slow one waits here, not in the engine's step."""
+    grammars = await state.engine.call(lambda e: e.grammars)
+    try:
+        await asyncio.wrap_future(grammars.submit(spec))
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_schema") from exc
+
+
 async def submit(
     state: ServerState,
     base_id: str,
@@ -166,6 +177,8 @@ async def submit(
             param="kv_transfer_params",
             code="invalid_value",
         )
+    if params.structured is not None:
+        await compile_grammar(state, params.structured)
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]

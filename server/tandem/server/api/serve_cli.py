@@ -20,7 +20,9 @@ import uvicorn
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
 
 from .auth import add_credential_arguments, credentials_from_args
+from .reasoning import PARSERS as REASONING_PARSERS
 from .state import ROLES, ServerSettings
+from .tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from .app import ProxyRegistration
@@ -93,6 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the key for registering with the proxy (default: $TANDEM_PROXY_API_KEY, else the "
         "internal credential)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="how tool calls are written (default: from the chat template's family)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> into reasoning_content",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -223,6 +237,8 @@ def settings_from_args(
         max_waiting_requests=args.max_waiting_requests,
         session_ttl=args.session_ttl,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -37,6 +37,8 @@ class ServerSettings:
     max_waiting_requests: int | None = 256
     session_ttl: float | None = 600.0
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # None: chosen by the chat template's family
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

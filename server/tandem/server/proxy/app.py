@@ -305,8 +305,12 @@ def _add_node_routes(app: FastAPI) -> None:
     async def add_node(request: Request) -> dict[str, Any]:
         """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
         state = get_state(request)
-        url, role, models = node_fields(await _json_body(request))
-        node = state.registry.add(url, role, models, source="registered")
+        body = await _json_body(request)
+        url, role, models = node_fields(body)
+        layout = (body.get("status") or {}).get("kv_layout")  # Tandem's addition, optional
+        node = state.registry.add(
+            url, role, models, source="registered", kv_layout=str(layout) if layout else None
+        )
         await state.poller.probe(url)
         return {
             "url": node.url,

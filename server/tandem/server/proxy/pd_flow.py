@@ -268,7 +268,12 @@ class PDFlow:
         picked = self._pick(decoders, chunks, prompt_tokens)
         assert picked is not None
         decode, cached = picked
-        prefillers = self.registry.routable(PREFILL_ROLES, model)
+        # Pair only engines of one KV layout: mid-rollout, old prefill and new decode meet.
+        prefillers = [
+            p
+            for p in self.registry.routable(PREFILL_ROLES, model)
+            if p.kv_layout == decode.kv_layout
+        ]
         why_not = routing.disaggregatable(kind, body)
         if session_key is not None:
             why_not = "session"  # a session's blocks stay on the engine that holds it
@@ -277,8 +282,9 @@ class PDFlow:
             and why_not is None
             and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
         ):
+            same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
             return await self.disaggregated(
-                kind, body, request, chunks, prompt_tokens, prefillers, decode, decoders
+                kind, body, request, chunks, prompt_tokens, prefillers, decode, same_layout
             )
         return await self.forward(
             decode, kind, body, request, chunks, decoders, session_key

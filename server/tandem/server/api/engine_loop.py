@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tandem.server.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from tandem.server.engine.models.config import ModelLoadError
 
 log = logging.getLogger("tandem.api.engine")
 
@@ -300,7 +301,10 @@ class AsyncEngine:
                 "device": str(engine.device),
             }
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
-            log.exception("the engine failed to load")
+            if isinstance(exc, ModelLoadError):  # the message says it all
+                log.error("the engine failed to load: %s", exc)
+            else:
+                log.exception("the engine failed to load")
             self.error = exc
             self.snapshot = EngineSnapshot(state=FAILED)
             if self._on_failure is not None:

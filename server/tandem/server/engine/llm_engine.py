@@ -32,6 +32,7 @@ from .scheduler import Scheduler
 from .sessions import SessionStore
 from .stopping import find_stop_string, held_back, stop_by_token
 from .structured import GrammarCache
+from .tokenizer import load_tokenizer
 from .worker import Worker
 
 
@@ -61,12 +62,10 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.worker = Worker(config, self.model_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(
             eos_token_ids(config.model, self.model_config, self.tokenizer)
         )

@@ -7,9 +7,11 @@ The model is fetched once into the user's cache (``default_model_path``, the sam
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
+import httpx
 import jinja2
 import openai
 import pytest
@@ -95,15 +97,14 @@ def test_chat_template_renders_as_the_file_says(smollm2: Path, reference) -> Non
 def test_tandem_up_with_no_model_answers_in_real_language(
     smollm2: Path, reference, tmp_path
 ) -> None:
-    """The README's `tandem up`: the default model, P/D, the official openai client."""
+    """The README's `tandem up`, word for word (no model, no key): the default model, P/D,
+    the official openai client with whatever key a newcomer puts there."""
     tok, model = reference
-    proc, base, _ = start_up(
-        ["--port", "0", "--api-key", "sk-up", "--log-dir", str(tmp_path), "--grace", "10"],
-        dict(os.environ),
-        400,
+    proc, base, lines = start_up(
+        ["--port", "0", "--log-dir", str(tmp_path), "--grace", "10"], dict(os.environ), 400
     )
     try:
-        client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base, api_key="EMPTY", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [NAME]
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = client.chat.completions.create(
@@ -115,6 +116,9 @@ def test_tandem_up_with_no_model_answers_in_real_language(
         assert r.usage.prompt_tokens == len(prompt)
         expected = tok.decode(_greedy(model, prompt, 32), skip_special_tokens=True)
         assert answer == expected
+        # the engines behind it are a P/D back end: a keyless caller gets nothing from them
+        for url in [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]:
+            assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

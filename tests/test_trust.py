@@ -393,3 +393,32 @@ def test_finding4_a_client_key_administers_nothing_at_the_proxy() -> None:
             headers=bearer(key),
         )
         assert r.status_code == 403 and r.json()["error"]["code"] == "kv_transfer_forbidden"
+
+
+def test_a_proxy_without_client_keys_serves_keyless_clients_and_nothing_more() -> None:
+    """`tandem up` with no --api-key: clients need no key, the admin and internal planes
+    stay closed, and kv_transfer_params is still refused."""
+    app = build_proxy(ProxySettings(credentials=Credentials(internal_key=INTERNAL)))
+    for headers in ({}, bearer("EMPTY")):
+        assert _call(app, "GET", "/v1/models", headers=headers).status_code == 200
+        for method, path in PROXY_ADMIN_ROUTES:
+            r = _call(app, method, path, json={"url": "http://127.0.0.1:1"}, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+        r = _call(
+            app,
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+            headers=headers,
+        )
+        assert r.status_code == 403
+    assert _call(app, "GET", "/nodes/status", headers=bearer(INTERNAL)).status_code == 200
+
+
+def test_keyless_callers_reach_an_engine_only_when_it_is_no_pd_back_end() -> None:
+    back_end = ServerSettings(model_dir="m", served_model_name="m", internal_api_key=INTERNAL)
+    assert back_end.credentials.principal(b"") is None
+    assert back_end.credentials.principal(bearer(INTERNAL)["Authorization"].encode()) == "internal"
+    admin_only = ServerSettings(model_dir="m", served_model_name="m", admin_api_key=ADMIN)
+    assert admin_only.credentials.principal(b"Bearer EMPTY") == "anonymous"
+    assert admin_only.credentials.principal(bearer(ADMIN)["Authorization"].encode()) == "admin"

@@ -111,7 +111,7 @@ class _KVTransport:
         self.server: Any = None
         self._engine: LLMEngine | None = None
         self.puller = (
-            KVPuller(lambda: self._engine.kv_layout) if role in ("decode", "both") else None
+            KVPuller(lambda: self._engine.handoff.layout) if role in ("decode", "both") else None
         )
 
     def start(self, engine: LLMEngine) -> None:
@@ -121,13 +121,13 @@ class _KVTransport:
         if self.role in ("prefill", "both"):
             self.server = KVTransportServer(
                 engine.kv_cache,
-                engine.leases.blocks,
-                engine.release_lease,
+                engine.handoff.leases.blocks,
+                engine.handoff.release_lease,
                 host=self.host,
                 port=self.port,
-                layout=engine.kv_layout,
+                layout=engine.handoff.layout,
             ).start()
-            engine.kv_transfer_address = self.server.address
+            engine.handoff.address = self.server.address
             log.info("KV transport listening on %s", self.server.address)
 
     def close(self) -> None:

@@ -444,7 +444,7 @@ class AsyncEngine:
 
     def _dispatch_pulls(self, engine: LLMEngine) -> None:
         """Hand the engine's KV pulls to the puller; each reports back as a command."""
-        for task in engine.take_pull_tasks():
+        for task in engine.handoff.take_pull_tasks():
             if self.puller is None:
                 engine.complete_pull(task.request_id, "this engine has no KV transport")
                 continue
@@ -456,7 +456,7 @@ class AsyncEngine:
             self.puller.submit(task, engine.kv_cache, done)
 
     def _expire(self, engine: LLMEngine) -> None:
-        engine.sweep_leases()
+        engine.handoff.leases.sweep()
         ttl = self._session_ttl
         if not ttl or not hasattr(engine, "expire_sessions"):
             return

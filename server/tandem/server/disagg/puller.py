@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 
 from tandem.server.engine.kv_cache import KVCache
+from tandem.server.engine.kv_transfer import KVLayout, PullTask
 
-from .kv_transfer import KVLayout, PullTask
 from .transport import KVTransportClient, TransportError
 
 

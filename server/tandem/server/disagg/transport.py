@@ -20,8 +20,7 @@ import torch
 import zmq
 
 from tandem.server.engine.kv_cache import KVCache
-
-from .kv_transfer import KVLayout
+from tandem.server.engine.kv_transfer import KVLayout
 
 DEFAULT_TIMEOUT_S = 30.0
 

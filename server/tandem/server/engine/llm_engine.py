@@ -10,18 +10,17 @@ import itertools
 import json
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..disagg.kv_transfer import KVLayout, PullTask, RemotePrefill, handoff_params
-from ..disagg.leases import LeaseStore
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager, KVCacheStats
+from .kv_handoff import KVHandoff
+from .kv_transfer import KVLayout
 from .models.config import ModelConfig
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, RequestStatus
@@ -77,12 +76,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv)
-        self.engine_id = uuid.uuid4().hex[:12]
-        self.kv_transfer_address: str | None = None  # set by the host once its transport listens
-        self.leases = LeaseStore(self.kv.pool, config.kv_lease_seconds)
-        self._remote_waiting: list[Request] = []  # decode side: waiting for blocks to pull into
-        self._pulling: dict[str, Request] = {}
-        self._pull_tasks: list[PullTask] = []
+        self.handoff = KVHandoff(config, self.kv, self.scheduler, self._kv_layout())
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
@@ -125,7 +119,7 @@ class LLMEngine:
         ``step`` reports a streamed request after every token, any other only when it finishes.
         ``kv_transfer`` carries the P/D handoff: ``{"do_remote_decode": true}`` makes this a
         prefill (one token, blocks kept under a lease); a ``do_remote_prefill`` handle makes it
-        a decode whose prompt K/V is pulled from the prefill engine (see ``take_pull_tasks``).
+        a decode whose prompt K/V is pulled from the prefill engine (see ``KVHandoff``).
 
         With ``session_id`` the request continues that session: it reuses the session's KV
         blocks for the prompt prefix they hold, and leaves its own blocks there when done.
@@ -140,32 +134,11 @@ class LLMEngine:
             raise InvalidParamError(
                 "session_id", f"session {session_id!r} already has a request in flight"
             )
-        remote_decode = bool(kv_transfer and kv_transfer.get("do_remote_decode"))
-        remote = (
-            RemotePrefill.from_params(kv_transfer)
-            if kv_transfer and kv_transfer.get("do_remote_prefill")
-            else None
-        )
-        if (remote_decode or remote) and (params.n != 1 or session_id is not None):
-            raise InvalidParamError(
-                "kv_transfer_params", "a disaggregated request takes n=1 and no session"
-            )
-        if (remote_decode or remote) and self.config.tensor_parallel_size > 1:
-            raise InvalidParamError(
-                "kv_transfer_params",
-                "KV transfer with tensor_parallel_size > 1 is not "
-                "supported yet (each rank holds only its own KV heads)",
-            )
-        if remote_decode:
-            params = params.clone(max_tokens=1, min_tokens=0)
         prompt_ids = self.tokenize(prompt)
+        params, remote_decode, remote = self.handoff.parse(
+            kv_transfer, params, session_id, len(prompt_ids)
+        )
         max_tokens = self._check_lengths(prompt_ids, params)
-        if remote is not None and remote.num_tokens != len(prompt_ids):
-            raise InvalidParamError(
-                "kv_transfer_params",
-                f"the prefill engine computed {remote.num_tokens} prompt "
-                f"tokens but this prompt has {len(prompt_ids)}: the engines tokenize differently",
-            )
         group = []
         for i in range(params.n):
             req = Request(
@@ -194,7 +167,11 @@ class LLMEngine:
         self._groups[request_id] = group
         group[0].remote_decode = remote_decode
         if remote is not None:
-            self._start_remote_prefill(group[0], remote)
+            self.handoff.start(group[0], remote)
+            if not params.greedy:  # keep a seeded generator where an aggregated run would be
+                torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
+                    generator=group[0].generator
+                )
         else:
             self.scheduler.add(group[0])
         self._num_prompt_tokens += len(prompt_ids)
@@ -244,11 +221,8 @@ class LLMEngine:
         for req in group:
             if req.status.finished:
                 continue
-            if req.pull_in_flight:  # the pull still writes into its blocks: freed when it completes
-                req.status = RequestStatus.FINISHED_ABORTED
+            if self.handoff.abort(req):
                 continue
-            if req in self._remote_waiting:
-                self._remote_waiting.remove(req)
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=False)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -256,21 +230,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return len(self.scheduler) > 0 or bool(self._remote_waiting) or bool(self._ready_outputs)
+        return len(self.scheduler) > 0 or bool(self.handoff.waiting) or bool(self._ready_outputs)
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.leases.sweep()
-        self._admit_remote_prefills()
+        self.handoff.leases.sweep()
+        self.handoff.admit()
         ready, self._ready_outputs = self._ready_outputs, []
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
         logits, sampling = self.worker.execute(batch)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+        self.scheduler.update(batch)
         report: dict[str, None] = {}
         if sampling:
             out = sample(logits, sampling)
@@ -309,7 +281,7 @@ class LLMEngine:
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=True)
             if req.remote_decode:
-                self._grant_lease(req)
+                self.handoff.grant_lease(req)
             req.finished_time = time.monotonic()
             self.scheduler.finish(req, status)
 
@@ -364,8 +336,7 @@ class LLMEngine:
         return detok.text[: max(0, len(detok.text) - held_back(req.params.stop))]
 
     # ----- prefill/decode disaggregation ---------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
+    def _kv_layout(self) -> KVLayout:
         cfg = self.model_config
         return KVLayout(
             cfg.num_hidden_layers,
@@ -375,96 +346,11 @@ class LLMEngine:
             str(self.worker.dtype).removeprefix("torch."),
         )
 
-    def _grant_lease(self, req: Request) -> None:
-        """Prefill side: the finished prompt's blocks stay held for the decode engine's pull."""
-        lease_id = self.leases.grant(req.block_ids)
-        req.kv_transfer_params = handoff_params(
-            self.engine_id,
-            req.block_ids,
-            req.num_computed_tokens,
-            lease_id,
-            self.kv_transfer_address,
-            req.output_token_ids[:1],
-            self.config.kv_lease_seconds,
-        )
-        req.block_ids, req.block_hashes = [], []
-
-    def _start_remote_prefill(self, req: Request, remote: RemotePrefill) -> None:
-        """Decode side: the prefill engine already sampled the first token; take it as ours."""
-        req.remote_prefill = remote
-        token = remote.first_token_ids[0]
-        req.output_token_ids.append(token)
-        req.first_token_time = time.monotonic()
-        if req.detokenizer is not None:
-            req.detokenizer.add([token])
-        if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
-            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
-                generator=req.generator
-            )
-        self._remote_waiting.append(req)
-
-    def _admit_remote_prefills(self) -> None:
-        """Give waiting decode-side requests blocks (local prefix hits first) and queue their pulls."""
-        still = []
-        for req in self._remote_waiting:
-            prefix = self.kv.find_cached_prefix(req)
-            hit = len(prefix.block_ids)
-            if not self.kv.allocate(req, req.num_prompt_tokens - hit * self.kv.block_size, prefix):
-                still.append(req)
-                continue
-            remote = req.remote_prefill
-            end = self.kv.blocks_for(req.num_prompt_tokens)
-            self._pull_tasks.append(
-                PullTask(
-                    req.request_id,
-                    remote.address,
-                    remote.lease_id,
-                    remote.engine_id,
-                    remote.block_ids[hit:end],
-                    req.block_ids[hit:end],
-                )
-            )
-            req.pull_in_flight = True
-            self._pulling[req.request_id] = req
-        self._remote_waiting = still
-
-    def take_pull_tasks(self) -> list[PullTask]:
-        """The pulls the host must run (off the engine thread), then report with ``complete_pull``."""
-        tasks, self._pull_tasks = self._pull_tasks, []
-        return tasks
-
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
-        req = self._pulling.pop(request_id, None)
-        if req is None:
-            return
-        req.pull_in_flight = False
-        if req.status.finished:  # aborted while its blocks were being written
-            self.kv.free(req)
-            return
-        if error is None:
-            req.num_computed_tokens = req.num_prompt_tokens
-            self.kv.cache_full_blocks(req)
-            self.scheduler.add(req, front=True)
-            return
-        self.kv.free(req)
-        if self.config.kv_pull_fallback == "recompute":
-            req.num_computed_tokens = 0
-            self.scheduler.add(req, front=True)
-            return
-        req.error = (
-            f"KV transfer from prefill engine {req.remote_prefill.engine_id} failed: {error}"
-        )
-        req.status = RequestStatus.FINISHED_ABORTED
-        req.finished_time = time.monotonic()
-        if (out := self._group_output(req.group_id)) is not None:
+        """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
+        req = self.handoff.complete_pull(request_id, error)
+        if req is not None and (out := self._group_output(req.group_id)) is not None:
             self._ready_outputs.append(out)
-
-    def release_lease(self, lease_id: str) -> bool:
-        """Any thread: hand a lease's blocks back (they are freed at the next step or sweep)."""
-        return self.leases.ask_release(lease_id)
-
-    def sweep_leases(self) -> int:
-        return self.leases.sweep()
 
     # ----- sessions and sleep --------------------------------------------------------------
     def delete_session(self, session_id: str) -> bool:
@@ -496,7 +382,7 @@ class LLMEngine:
                 f"{len(self._groups)} requests are in flight; abort them before sleeping"
             )
         self.sessions.clear()
-        self.leases.clear()
+        self.handoff.leases.clear()
         self.kv.pool.reset_prefix_cache()
         self.worker.sleep(level)
         self._sleep_level = level
@@ -519,8 +405,8 @@ class LLMEngine:
             num_preemptions=self._num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
-            num_leases=len(self.leases),
-            num_pulling=len(self._pulling),
+            num_leases=len(self.handoff.leases),
+            num_pulling=len(self.handoff.pulling),
         )
 
 

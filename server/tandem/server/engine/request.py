@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .kv_transfer import RemotePrefill
 from .sampling_params import SamplingParams
 
 
@@ -66,7 +67,7 @@ class Request:
     # P/D: a prefill-role request keeps its blocks under a lease when it finishes; a
     # decode-role request gets its prompt's K/V by a pull before it is scheduled.
     remote_decode: bool = False
-    remote_prefill: Any = None  # tandem.server.disagg.kv_transfer.RemotePrefill
+    remote_prefill: RemotePrefill | None = None
     pull_in_flight: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.server.engine.sampling_params import InvalidParamError
+from .sampling_params import InvalidParamError
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,15 @@ from tandem.server.engine.config import EngineConfig
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def drain(engine: LLMEngine, rid: str):
+def drain(engine: LLMEngine, rid: str, stream: bool = False):
+    """The request's whole output (a stream's deltas merged)."""
     out = None
     deadline = time.monotonic() + 60
     while out is None or not out.finished:
         assert time.monotonic() < deadline
         for o in engine.step():
             if o.request_id == rid:
-                out = o
+                out = out.merge(o) if stream and out is not None else o
     return out
 
 
@@ -77,7 +78,7 @@ def test_disaggregated_greedy_equals_aggregated_and_frees_everything(pd, llama_d
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle, stream=True)
     decode.step()
     run_pulls(decode, client)
-    out = drain(decode, "d")
+    out = drain(decode, "d", stream=True)
     assert out.token_ids == expected and out.error is None
     prefill.step()  # the release lands at the next step's sweep
     assert prefill.stats().num_leases == 0

@@ -50,7 +50,9 @@ class EngineMetrics(Protocol):
 
     def on_tokens(self, seconds: float, count: int) -> None: ...
 
-    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
+    def on_finished(
+        self, reasons: list[str], num_tokens: int, num_cached_tokens: int, e2e_seconds: float
+    ) -> None: ...
 
     def on_aborted(self, count: int) -> None: ...
 
@@ -87,9 +89,10 @@ class _Tracked:
     arrival: float
     prompt_ids: list[int] = field(default_factory=list)
     n: int = 1
-    last: RequestOutput | None = None
+    last: RequestOutput | None = None  # a non-streamed request's latest (cumulative) output
     stream: bool = False
     num_tokens: int = 0
+    reasons: dict[int, str] = field(default_factory=dict)  # finished choices
     first_token_at: float | None = None
     last_token_at: float | None = None
     session_id: str | None = None
@@ -261,7 +264,9 @@ class AsyncEngine:
                     (
                         tracked.sink,
                         rid,
-                        aborted_output(rid, tracked.prompt_ids, tracked.n, tracked.last),
+                        aborted_output(
+                            rid, tracked.prompt_ids, tracked.n, tracked.last, tracked.reasons
+                        ),
                     )
                 )
             if batch and self._loop is not None:
@@ -410,7 +415,8 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted while the step ran
             self._observe(tracked, out, now)
-            tracked.last = out
+            if not tracked.stream:
+                tracked.last = out
             if out.finished:
                 del self._tracked[out.request_id]
             batch.append((tracked.sink, out.request_id, out))
@@ -419,8 +425,9 @@ class AsyncEngine:
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         num = sum(len(o.token_ids) for o in out.outputs)
-        new = num - tracked.num_tokens
-        tracked.num_tokens = num
+        new = num if tracked.stream else num - tracked.num_tokens  # deltas, or everything so far
+        tracked.num_tokens += new
+        tracked.reasons.update((c.index, c.finish_reason) for c in out.outputs if c.finished)
         m = self._metrics
         # The engine reports a non-streamed request only when it finishes, so token timings
         # (TTFT, inter-token latency) come from streamed requests; e2e latency from all.
@@ -432,7 +439,8 @@ class AsyncEngine:
                 m.on_tokens((now - tracked.last_token_at), new)
             tracked.last_token_at = now
         if m is not None and out.finished:
-            m.on_finished(out, now - tracked.arrival)
+            reasons = [tracked.reasons.get(i, "abort") for i in range(tracked.n)]
+            m.on_finished(reasons, tracked.num_tokens, out.num_cached_tokens, now - tracked.arrival)
 
     def _deliver_error(self, request_ids: list[str], exc: Exception) -> None:
         batch = [(self._tracked[rid].sink, rid, exc) for rid in request_ids if rid in self._tracked]
@@ -489,13 +497,19 @@ class AsyncEngine:
 
 
 def aborted_output(
-    request_id: str, prompt_ids: list[int], n: int, last: RequestOutput | None
+    request_id: str,
+    prompt_ids: list[int],
+    n: int,
+    last: RequestOutput | None,
+    finished: dict[int, str],
 ) -> RequestOutput:
-    """The final output of a request aborted on purpose: what it had, marked ``abort``."""
+    """The final output of a request aborted on purpose: what a non-streamed one had, marked
+    ``abort``; for a streamed one, the delta that ends its unfinished choices."""
     if last is None:
         outputs = [
             CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
             for i in range(n)
+            if i not in finished
         ]
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, outputs=outputs, finished=True

@@ -14,8 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tandem.server.engine import RequestOutput
-
 from .engine_loop import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -205,12 +203,14 @@ class ServerMetrics:
         # One engine step adds one token to each choice: the interval is the inter-token latency.
         self.itl.observe(seconds)
 
-    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None:
+    def on_finished(
+        self, reasons: list[str], num_tokens: int, num_cached_tokens: int, e2e_seconds: float
+    ) -> None:
         self.e2e.observe(e2e_seconds)
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        self.cached_prompt_tokens_m.inc(out.num_cached_tokens)
-        for c in out.outputs:
-            self._finished.labels(self._model, c.finish_reason or "abort").inc()
+        self.generation_tokens.inc(num_tokens)
+        self.cached_prompt_tokens_m.inc(num_cached_tokens)
+        for reason in reasons:
+            self._finished.labels(self._model, reason).inc()
 
     def on_aborted(self, count: int) -> None:
         self._finished.labels(self._model, "abort").inc(count)

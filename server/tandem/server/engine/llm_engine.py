@@ -294,16 +294,24 @@ class LLMEngine:
         leader.pending_siblings = []
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
+        """The group's output: deltas for a streamed request (None when nothing is new), else
+        everything so far."""
         group = self._groups.get(group_id)
         if group is None:
             return None
         finished = all(r.status.finished for r in group)
+        if group[0].stream:
+            outputs = [c for r in group if (c := self._delta(r)) is not None]
+            if not outputs:
+                return None
+        else:
+            outputs = [self._completion(r) for r in group]
         if finished:
             del self._groups[group_id]
         return RequestOutput(
             request_id=group_id,
             prompt_token_ids=group[0].prompt_token_ids,
-            outputs=[self._completion(r) for r in group],
+            outputs=outputs,
             finished=finished,
             num_cached_tokens=group[0].num_cached_tokens,
             metrics=_timings(group),
@@ -312,28 +320,55 @@ class LLMEngine:
         )
 
     def _completion(self, req: Request) -> CompletionOutput:
+        if req.detokenizer is not None:
+            text = req.detokenizer.text[: self._text_end(req)]
+        elif req.status.finished:
+            text = self.tokenizer.decode(
+                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
+            )
+        else:
+            text = ""
         return CompletionOutput(
             index=req.index,
-            text=self._text(req),
+            text=text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         )
 
-    def _text(self, req: Request) -> str:
-        detok = req.detokenizer
-        if detok is None:
-            if not req.status.finished:
-                return ""
-            return self.tokenizer.decode(
-                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
+    def _delta(self, req: Request) -> CompletionOutput | None:
+        """What a streamed choice gained since its last report: reported when its text grows
+        or it finishes, so tokens whose text is still held back wait for the next report."""
+        end = self._text_end(req)
+        text = req.detokenizer.text[req.num_reported_chars : end]
+        finish = req.status.finished and not req.finish_reported
+        if not text and not finish:
+            return None
+        tokens = req.output_token_ids[req.num_reported_tokens :]
+        lps = req.logprobs[req.num_reported_logprobs :]
+        req.num_reported_chars = max(end, req.num_reported_chars)
+        req.num_reported_tokens += len(tokens)
+        req.num_reported_logprobs += len(lps)
+        req.finish_reported = req.status.finished
+        return CompletionOutput(
+            index=req.index,
+            text=text,
+            token_ids=tokens,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=lps if req.params.logprobs is not None else None,
+        )
+
+    def _text_end(self, req: Request) -> int:
+        """How much of the detokenized text may be shown: a stream holds back what may begin
+        a stop string."""
+        text = req.detokenizer.text
         if req.stop_text_end is not None:
-            return detok.text[: req.stop_text_end]
+            return req.stop_text_end
         if req.status.finished:
-            return detok.text
-        return detok.text[: max(0, len(detok.text) - held_back(req.params.stop))]
+            return len(text)
+        return max(0, len(text) - held_back(req.params.stop))
 
     # ----- prefill/decode disaggregation ---------------------------------------------------
     def _kv_layout(self) -> KVLayout:

@@ -76,23 +76,23 @@ def test_cached_blocks_survive_free_until_reused_then_are_evicted() -> None:
     assert kv.allocate(first, 10, kv.find_cached_prefix(first))
     first.num_computed_tokens = 10
     kv.cache_full_blocks(first)
-    assert kv.stats().cached_blocks == 2
+    assert kv.pool.num_cached == 2
     kv.free(first)
-    assert kv.stats().free_blocks == 5 and kv.stats().cached_blocks == 2
+    assert kv.pool.num_free == 5 and kv.pool.num_cached == 2
 
     second = make_request(list(range(1, 11)) + [42], "b")
     prefix = kv.find_cached_prefix(second)
     assert len(prefix.block_ids) == 2
     assert kv.allocate(second, 3, prefix)
     assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
-    assert kv.stats().prefix_hit_rate > 0
+    assert kv.prefix_cache.hit_rate > 0
     kv.free(second)
 
     hog = make_request(list(range(100, 120)), "c")
     assert kv.allocate(
         hog, 20, kv.find_cached_prefix(hog)
     )  # takes every block: the cache is evicted
-    assert kv.stats().cached_blocks == 0
+    assert kv.pool.num_cached == 0
     kv.free(hog)
     kv.pool.check_all_free()
 

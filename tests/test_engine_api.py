@@ -79,7 +79,7 @@ def test_session_second_turn_prefills_only_new_tokens(engine: LLMEngine) -> None
     engine.add_request("t1", turn1, params, session_id="chat")
     first = drain(engine)["t1"]
     assert engine.num_sessions == 1
-    held = engine.stats().kv
+    held = engine.stats()
     assert held.free_blocks < held.total_blocks  # the session keeps its blocks
     history = turn1 + first.token_ids
     turn2 = history + engine.tokenizer.encode(" And the next turn only prefills what is new.")

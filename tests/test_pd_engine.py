@@ -107,7 +107,7 @@ def test_unpulled_lease_expires_and_frees_the_prefill_blocks(llama_dir: Path) ->
         EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=0.2)
     )
     prefill_handoff(prefill, "p", list(range(5, 40)), GREEDY)
-    assert prefill.kv.stats().free_blocks < prefill.kv.stats().total_blocks
+    assert prefill.stats().free_blocks < prefill.stats().total_blocks
     time.sleep(0.3)
     assert prefill.handoff.leases.sweep() == 1 and prefill.handoff.leases.num_expired == 1
     prefill.kv.pool.check_all_free()
@@ -146,7 +146,7 @@ def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
     decode.step()
     (task,) = decode.handoff.take_pull_tasks()
     decode.abort_request("d")
-    assert decode.kv.stats().free_blocks < decode.kv.stats().total_blocks  # still being written
+    assert decode.stats().free_blocks < decode.stats().total_blocks  # still being written
     client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
     decode.complete_pull("d")
     decode.kv.pool.check_all_free()

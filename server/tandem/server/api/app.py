@@ -44,8 +44,7 @@ def build_app(
     holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(
         settings.served_model_name,
-        snapshot=lambda: holder["s"].engine.snapshot,
-        pending=lambda: holder["s"].engine.num_queued_adds,
+        engine=lambda: holder["s"].engine,
     )
     transport = _KVTransport(settings.role, kv_transfer_host, kv_transfer_port)
     engine = AsyncEngine(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tandem.server.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from tandem.server.engine.stats import EngineStats
 
 log = logging.getLogger("tandem.api.engine")
 
@@ -55,30 +56,6 @@ class EngineMetrics(Protocol):
     ) -> None: ...
 
     def on_aborted(self, count: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's counters as of the loop's last iteration; read by /health and /metrics."""
-
-    state: str = LOADING
-    num_running: int = 0
-    num_waiting: int = 0
-    total_blocks: int = 0
-    free_blocks: int = 0
-    cached_blocks: int = 0
-    block_size: int = 0
-    prefix_hit_rate: float = 0.0
-    num_sessions: int = 0
-    is_sleeping: bool = False
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    updated_at: float = field(default_factory=time.time)
-
-    @property
-    def kv_utilization(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 @dataclass
@@ -159,7 +136,8 @@ class AsyncEngine:
         self._engine: LLMEngine | None = None
         self._last_expiry = time.monotonic()
         self.error: BaseException | None = None
-        self.snapshot = EngineSnapshot()
+        self.state = LOADING
+        self.stats = EngineStats()  # as of the loop's last iteration; read by /health, /metrics
         self.num_queued_adds = (
             0  # adds submitted but not yet applied; only the event loop writes it
         )
@@ -179,10 +157,6 @@ class AsyncEngine:
         self._commands.put(_Stop())
         self._thread.join(timeout)
         self._thread = None
-
-    @property
-    def state(self) -> str:
-        return self.snapshot.state
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block (in a thread, not the event loop) until the engine has loaded or failed."""
@@ -297,17 +271,17 @@ class AsyncEngine:
             engine = self._engine = self._build()
             if self._on_ready is not None:
                 self._on_ready(engine)
-            kv = engine.stats().kv
+            stats = engine.stats()
             self.info = {
                 "max_model_len": engine.max_model_len,
-                "block_size": kv.block_size,
-                "num_blocks": kv.total_blocks,
+                "block_size": stats.block_size,
+                "num_blocks": stats.total_blocks,
                 "device": str(engine.device),
             }
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
             log.exception("the engine failed to load")
             self.error = exc
-            self.snapshot = EngineSnapshot(state=FAILED)
+            self.state = FAILED
             if self._on_failure is not None:
                 self._on_failure(exc)
             return
@@ -327,7 +301,7 @@ class AsyncEngine:
                 engine.abort_request(rid)
             self._deliver_error(list(self._tracked), EngineNotReadyError("the engine stopped"))
             self._tracked.clear()
-            self.snapshot = EngineSnapshot(state=STOPPED)
+            self.state = STOPPED
             engine.close()
 
     def _apply_commands(self, block: bool) -> bool:
@@ -355,7 +329,7 @@ class AsyncEngine:
             try:
                 if (
                     self._max_waiting is not None
-                    and engine.stats().num_waiting >= self._max_waiting
+                    and len(engine.scheduler.waiting) >= self._max_waiting
                 ):
                     raise QueueFullError(
                         f"the waiting queue is full ({self._max_waiting} requests); retry later"
@@ -466,7 +440,7 @@ class AsyncEngine:
     def _expire(self, engine: LLMEngine) -> None:
         engine.handoff.leases.sweep()
         ttl = self._session_ttl
-        if not ttl or not hasattr(engine, "expire_sessions"):
+        if not ttl:
             return
         now = time.monotonic()
         if now - self._last_expiry < min(1.0, ttl / 4):
@@ -476,24 +450,8 @@ class AsyncEngine:
             log.info("expired %d idle session(s)", n)
 
     def _publish(self, state: str) -> None:
-        engine = self._engine
-        assert engine is not None
-        s = engine.stats()
-        self.snapshot = EngineSnapshot(
-            state=state,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            total_blocks=s.kv.total_blocks,
-            free_blocks=s.kv.free_blocks,
-            cached_blocks=s.kv.cached_blocks,
-            block_size=s.kv.block_size,
-            prefix_hit_rate=s.kv.prefix_hit_rate,
-            num_sessions=int(getattr(engine, "num_sessions", 0)),
-            is_sleeping=bool(getattr(engine, "is_sleeping", False)),
-            num_preemptions=s.num_preemptions,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_generated_tokens=s.num_generated_tokens,
-        )
+        self.stats = self._engine.stats()
+        self.state = state
 
 
 def aborted_output(

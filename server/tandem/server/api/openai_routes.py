@@ -345,9 +345,6 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Free a session's KV blocks now (idle sessions also expire on their own)."""
     state = get_state(request)
     state.check_admitting()
-    engine_has = await state.engine.call(lambda e: hasattr(e, "delete_session"))
-    if not engine_has:
-        raise APIError(501, "this engine has no sessions", code="not_implemented")
     deleted = await state.engine.call(lambda e: e.delete_session(session_id))
     deleted = state.histories.drop(session_id) or deleted
     if not deleted:

@@ -10,7 +10,6 @@ import itertools
 import json
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
-from .kv_cache_manager import KVCacheManager, KVCacheStats
+from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout
 from .models.config import ModelConfig
@@ -28,6 +27,7 @@ from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
+from .stats import EngineStats
 from .stopping import find_stop_string, held_back, stop_by_token
 from .worker import Worker
 
@@ -42,18 +42,6 @@ class EngineSleepingError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """An operation that needs an idle engine was asked for while requests are in flight."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv: KVCacheStats
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    num_leases: int = 0
-    num_pulling: int = 0
 
 
 class LLMEngine:
@@ -433,10 +421,17 @@ class LLMEngine:
 
     # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        pool, cache = self.kv.pool, self.kv.prefix_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv=self.kv.stats(),
+            total_blocks=pool.num_usable,
+            free_blocks=pool.num_free,
+            cached_blocks=pool.num_cached,
+            block_size=self.kv.block_size,
+            prefix_hit_rate=cache.hit_rate if cache is not None else 0.0,
+            num_sessions=len(self.sessions),
+            is_sleeping=self.is_sleeping,
             num_preemptions=self._num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.engine.block_pool import BlockPool, BlockPoolError
+from tandem.server.engine.block_pool import NULL_BLOCK, BlockPool, BlockPoolError
 from tandem.server.engine.kv_cache_manager import KVCacheManager
 from tandem.server.engine.prefix_cache import PrefixCache, chain_hashes
 from tandem.server.engine.request import Request
@@ -27,7 +27,7 @@ def test_allocate_and_free_track_reference_counts() -> None:
     pool = BlockPool(8, None)
     assert pool.num_free == 7  # block 0 is the padding page
     blocks = pool.allocate(3)
-    assert BlockPool.NULL_BLOCK not in blocks
+    assert NULL_BLOCK not in blocks
     assert pool.num_free == 4
     pool.share(blocks[:1])
     pool.free(blocks)

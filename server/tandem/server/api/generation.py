@@ -67,7 +67,6 @@ class Job:
 
     state: ServerState
     request_ids: list[str]
-    prompt_ids: list[list[int]]
     sink: asyncio.Queue
     stream: bool = False
     last: dict[str, RequestOutput] = field(default_factory=dict)
@@ -177,10 +176,10 @@ async def submit(
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-    job = Job(state, [], [], sink, stream=stream)
+    job = Job(state, [], sink, stream=stream)
     try:
         for rid, prompt in zip(ids, prompts):
-            prompt_ids = await state.engine.add_request(
+            await state.engine.add_request(
                 rid,
                 prompt,
                 params,
@@ -191,7 +190,6 @@ async def submit(
                 kv_transfer=kv_transfer,
             )
             job.request_ids.append(rid)
-            job.prompt_ids.append(prompt_ids)
     except BaseException as exc:
         job.abort_unfinished()
         if isinstance(exc, Exception):

@@ -29,7 +29,6 @@ class KVPuller:
         self._lock = threading.Lock()
         self._clients: dict[str, KVTransportClient] = {}
         self._checked: set[str] = set()
-        self.bytes_pulled = 0
 
     def connect(self, address: str) -> str | None:
         """Open (or reuse) the connection and check layouts; returns the problem, if any."""
@@ -64,9 +63,7 @@ class KVPuller:
         if error is None:
             try:
                 client = self._client(task.address)
-                self.bytes_pulled += client.pull(
-                    task.lease_id, task.remote_block_ids, kv_cache, task.local_block_ids
-                )
+                client.pull(task.lease_id, task.remote_block_ids, kv_cache, task.local_block_ids)
             except (TransportError, ValueError, RuntimeError) as exc:
                 error = str(exc)
         try:

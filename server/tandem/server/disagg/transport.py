@@ -63,7 +63,6 @@ class KVTransportServer:
         self.address = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tandem-kv-server", daemon=True)
-        self.bytes_sent = 0
         # One staging buffer, reused: filling fresh memory per pull costs more than the copy.
         self._staging: torch.Tensor | None = None
         self._in_flight: list[zmq.MessageTracker] = []
@@ -144,7 +143,6 @@ class KVTransportServer:
             self._in_flight.append(
                 self._sock.send_multipart([ident, b"L", payload], copy=False, track=True)
             )
-        self.bytes_sent += header["nbytes"]
 
 
 class KVTransportClient:

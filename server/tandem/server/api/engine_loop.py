@@ -446,7 +446,7 @@ class AsyncEngine:
         if now - self._last_expiry < min(1.0, ttl / 4):
             return
         self._last_expiry = now
-        if n := engine.expire_sessions(ttl):
+        if n := engine.sessions.expire(ttl):
             log.info("expired %d idle session(s)", n)
 
     def _publish(self, state: str) -> None:

@@ -345,7 +345,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Free a session's KV blocks now (idle sessions also expire on their own)."""
     state = get_state(request)
     state.check_admitting()
-    deleted = await state.engine.call(lambda e: e.delete_session(session_id))
+    deleted = await state.engine.call(lambda e: e.sessions.delete(session_id))
     deleted = state.histories.drop(session_id) or deleted
     if not deleted:
         raise APIError(

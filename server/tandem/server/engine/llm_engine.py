@@ -7,10 +7,8 @@ One thread drives it (``step``); the API layer feeds it through ``add_request`` 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,20 +18,18 @@ from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout
-from .models.config import ModelConfig
-from .outputs import CompletionOutput, RequestOutput
+from .limits import check_request
+from .models.config import ModelConfig, eos_token_ids
+from .output_processor import group_output
+from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
 from .stats import EngineStats
-from .stopping import find_stop_string, held_back, stop_by_token
+from .stopping import check_stop
 from .worker import Worker
-
-
-class PromptTooLongError(InvalidParamError):
-    """The prompt (plus max_tokens) does not fit the model's context: the API's 413/400."""
 
 
 class EngineSleepingError(RuntimeError):
@@ -64,7 +60,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv)
-        self.handoff = KVHandoff(config, self.kv, self.scheduler, self._kv_layout())
+        layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
+        self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
@@ -79,19 +76,10 @@ class LLMEngine:
         return self.worker.device
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.worker.model
-
-    @property
     def kv_cache(self) -> KVCache:
         return self.worker.kv_cache
 
     # ----- requests -----------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
     def add_request(
         self,
         request_id: str,
@@ -104,7 +92,8 @@ class LLMEngine:
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
-        ``step`` reports a streamed request after every token, any other only when it finishes.
+        ``step`` reports a streamed request as deltas when its text grows, any other (whole)
+        only when it finishes.
         ``kv_transfer`` carries the P/D handoff: ``{"do_remote_decode": true}`` makes this a
         prefill (one token, blocks kept under a lease); a ``do_remote_prefill`` handle makes it
         a decode whose prompt K/V is pulled from the prefill engine (see ``KVHandoff``).
@@ -122,11 +111,17 @@ class LLMEngine:
             raise InvalidParamError(
                 "session_id", f"session {session_id!r} already has a request in flight"
             )
-        prompt_ids = self.tokenize(prompt)
+        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         params, remote_decode, remote = self.handoff.parse(
             kv_transfer, params, session_id, len(prompt_ids)
         )
-        max_tokens = self._check_lengths(prompt_ids, params)
+        max_tokens = check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         group = []
         for i in range(params.n):
             req = Request(
@@ -140,7 +135,9 @@ class LLMEngine:
                 index=i,
                 stream=stream,
                 arrival_time=time.monotonic(),
-                generator=self._generator(params.seed, i),
+                generator=self.worker.new_generator(
+                    params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+                ),
                 detokenizer=(
                     IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                     if stream or params.stop
@@ -157,49 +154,11 @@ class LLMEngine:
         if remote is not None:
             self.handoff.start(group[0], remote)
             if not params.greedy:  # keep a seeded generator where an aggregated run would be
-                torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
-                    generator=group[0].generator
-                )
+                self.worker.skip_draw(group[0].generator)
         else:
             self.scheduler.add(group[0])
         self._num_prompt_tokens += len(prompt_ids)
         return prompt_ids
-
-    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        if not prompt_ids:
-            raise InvalidParamError("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParamError(
-                "prompt", f"token id {bad[0]} is outside the vocabulary (size {vocab})"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidParamError(
-                "n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
-            )
-        limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise PromptTooLongError(
-                "prompt",
-                f"This model's maximum context length is {limit} tokens; the prompt "
-                f"has {len(prompt_ids)} tokens, leaving no room to generate.",
-            )
-        if params.max_tokens is None:
-            return limit - len(prompt_ids)
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise PromptTooLongError(
-                "max_tokens",
-                f"This model's maximum context length is {limit} tokens. "
-                f"However, you requested {len(prompt_ids) + params.max_tokens} tokens "
-                f"({len(prompt_ids)} in the prompt, {params.max_tokens} in the completion).",
-            )
-        return params.max_tokens
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator:
-        return self.worker.new_generator(
-            seed + index if seed is not None else self._rng.getrandbits(63)
-        )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
@@ -249,23 +208,11 @@ class LLMEngine:
         if logprob is not None:
             req.logprobs.append(logprob)
         self._num_generated_tokens += 1
-        status, reason = stop_by_token(req, token, self.max_model_len)
-        detok = req.detokenizer
-        if detok is not None:
-            new_text = detok.add([token])
-            stops = req.params.stop
-            if stops and new_text and len(req.output_token_ids) >= req.params.min_tokens:
-                found = find_stop_string(detok.text, len(new_text), stops)
-                if found is not None:
-                    idx, stop = found
-                    req.stop_text_end = (
-                        idx + len(stop) if req.params.include_stop_str_in_output else idx
-                    )
-                    status, reason = RequestStatus.FINISHED_STOPPED, stop
+        status, reason = check_stop(req, token, self.max_model_len)
         if status is not None:
             req.stop_reason = reason
-            if detok is not None and req.stop_text_end is None:
-                detok.finish()
+            if req.detokenizer is not None and req.stop_text_end is None:
+                req.detokenizer.finish()
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=True)
             if req.remote_decode:
@@ -282,93 +229,14 @@ class LLMEngine:
         leader.pending_siblings = []
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
-        """The group's output: deltas for a streamed request (None when nothing is new), else
-        everything so far."""
         group = self._groups.get(group_id)
         if group is None:
             return None
-        finished = all(r.status.finished for r in group)
-        if group[0].stream:
-            outputs = [c for r in group if (c := self._delta(r)) is not None]
-            if not outputs:
-                return None
-        else:
-            outputs = [self._completion(r) for r in group]
-        if finished:
+        if all(r.status.finished for r in group):
             del self._groups[group_id]
-        return RequestOutput(
-            request_id=group_id,
-            prompt_token_ids=group[0].prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=group[0].num_cached_tokens,
-            metrics=_timings(group),
-            kv_transfer_params=group[0].kv_transfer_params,
-            error=group[0].error,
-        )
-
-    def _completion(self, req: Request) -> CompletionOutput:
-        if req.detokenizer is not None:
-            text = req.detokenizer.text[: self._text_end(req)]
-        elif req.status.finished:
-            text = self.tokenizer.decode(
-                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
-        else:
-            text = ""
-        return CompletionOutput(
-            index=req.index,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-        )
-
-    def _delta(self, req: Request) -> CompletionOutput | None:
-        """What a streamed choice gained since its last report: reported when its text grows
-        or it finishes, so tokens whose text is still held back wait for the next report."""
-        end = self._text_end(req)
-        text = req.detokenizer.text[req.num_reported_chars : end]
-        finish = req.status.finished and not req.finish_reported
-        if not text and not finish:
-            return None
-        tokens = req.output_token_ids[req.num_reported_tokens :]
-        lps = req.logprobs[req.num_reported_logprobs :]
-        req.num_reported_chars = max(end, req.num_reported_chars)
-        req.num_reported_tokens += len(tokens)
-        req.num_reported_logprobs += len(lps)
-        req.finish_reported = req.status.finished
-        return CompletionOutput(
-            index=req.index,
-            text=text,
-            token_ids=tokens,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=lps if req.params.logprobs is not None else None,
-        )
-
-    def _text_end(self, req: Request) -> int:
-        """How much of the detokenized text may be shown: a stream holds back what may begin
-        a stop string."""
-        text = req.detokenizer.text
-        if req.stop_text_end is not None:
-            return req.stop_text_end
-        if req.status.finished:
-            return len(text)
-        return max(0, len(text) - held_back(req.params.stop))
+        return group_output(group_id, group, self.tokenizer)
 
     # ----- prefill/decode disaggregation ---------------------------------------------------
-    def _kv_layout(self) -> KVLayout:
-        cfg = self.model_config
-        return KVLayout(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            self.config.block_size,
-            str(self.worker.dtype).removeprefix("torch."),
-        )
-
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
         """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
         req = self.handoff.complete_pull(request_id, error)
@@ -376,16 +244,6 @@ class LLMEngine:
             self._ready_outputs.append(out)
 
     # ----- sessions and sleep --------------------------------------------------------------
-    def delete_session(self, session_id: str) -> bool:
-        return self.sessions.delete(session_id)
-
-    def expire_sessions(self, idle_seconds: float) -> int:
-        return self.sessions.expire(idle_seconds)
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self.sessions)
-
     @property
     def is_sleeping(self) -> bool:
         return self._sleep_level > 0
@@ -419,7 +277,6 @@ class LLMEngine:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""
         self.worker.close()
 
-    # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool, cache = self.kv.pool, self.kv.prefix_cache
         return EngineStats(
@@ -438,28 +295,3 @@ class LLMEngine:
             num_leases=len(self.handoff.leases),
             num_pulling=len(self.handoff.pulling),
         )
-
-
-def _timings(group: list[Request]) -> dict[str, float]:
-    """Monotonic timestamps of the group: arrival, first token, finish (when known)."""
-    lead = group[0]
-    out = {"arrival_time": lead.arrival_time}
-    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
-    if firsts:
-        out["first_token_time"] = min(firsts)
-    if all(r.finished_time is not None for r in group):
-        out["finished_time"] = max(r.finished_time for r in group)
-    return out
-
-
-def eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer: object) -> set[int]:
-    """The ids that end generation: generation_config.json's, else config.json's, else the tokenizer's."""
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            return set(eos) if isinstance(eos, list) else {eos}
-    if cfg.eos_token_ids:
-        return set(cfg.eos_token_ids)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
-    return {eos_id} if eos_id is not None else set()

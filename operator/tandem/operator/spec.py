@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from .kubeschema import KubeSchema
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -80,6 +82,11 @@ class ModelCache(_Model):
     access_modes: list[str] = Field(
         default_factory=lambda: ["ReadWriteMany"],
         description="Access modes of the cache PVC (engines on many nodes read it)",
+    )
+    retain: bool = Field(
+        True,
+        description="Keep the cache PVC when the InferenceService is deleted; a new one of the "
+        "same name and model adopts it without downloading again",
     )
 
 
@@ -257,6 +264,46 @@ def _gpu_limit_agrees(role: RoleSpec) -> bool:
     return given is None or given.strip() == str(role.gpus)
 
 
+class PodTemplateMeta(_Model):
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations")
+
+
+class PodTemplateOverride(_Model):
+    """Pod fields merged into the rendered pod as a strategic merge patch would: a container
+    named like the rendered one (``engine``) merges into it (its ``volumeMounts`` and ``env``
+    by name), other containers are sidecars; ``volumes`` merge by name; scalars replace."""
+
+    containers: Annotated[list[dict[str, Any]], KubeSchema("V1Container", list_of=True)] = Field(
+        default_factory=list, description="Sidecars, or 'engine' to merge into the engine"
+    )
+    volumes: Annotated[list[dict[str, Any]], KubeSchema("V1Volume", list_of=True)] = Field(
+        default_factory=list, description="Extra volumes"
+    )
+    scheduler_name: str | None = Field(None, description="Scheduler for the pods")
+    priority_class_name: str | None = Field(None, description="Pod priority class")
+    runtime_class_name: str | None = Field(None, description="RuntimeClass (e.g. nvidia)")
+    service_account_name: str | None = Field(None, description="ServiceAccount of the pods")
+
+
+class PodTemplate(_Model):
+    """Per-role overrides of the rendered pod template."""
+
+    metadata: PodTemplateMeta = Field(
+        default_factory=PodTemplateMeta, description="Extra labels and annotations"
+    )
+    spec: PodTemplateOverride = Field(
+        default_factory=PodTemplateOverride, description="Pod spec fields merged in"
+    )
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+POWERS_OF_TWO_64 = "[1, 2, 4, 8, 16, 32, 64]"
+
+
 class RoleSpec(_Model):
     """One engine pool: how many replicas, each with how many GPUs, scheduled where."""
 
@@ -274,9 +321,19 @@ class RoleSpec(_Model):
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels the pods require"
     )
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations")
-    affinity: dict[str, Any] | None = Field(None, description="Pod affinity")
+    tolerations: Annotated[list[dict[str, Any]], KubeSchema("V1Toleration", list_of=True)] = Field(
+        default_factory=list, description="Pod tolerations"
+    )
+    affinity: Annotated[dict[str, Any] | None, KubeSchema("V1Affinity")] = Field(
+        None, description="Pod affinity"
+    )
+    topology_spread_constraints: Annotated[
+        list[dict[str, Any]], KubeSchema("V1TopologySpreadConstraint", list_of=True)
+    ] = Field(default_factory=list, description="Pod topology spread constraints")
     priority_class_name: str | None = Field(None, description="Pod priority class")
+    pod_template: PodTemplate | None = Field(
+        None, description="Labels, annotations, volumes, sidecars... merged into the pods"
+    )
     max_unavailable: int = Field(
         1, ge=0, description="Pods a voluntary disruption may take at once (PodDisruptionBudget)"
     )
@@ -286,6 +343,12 @@ class RoleSpec(_Model):
             "!(has(self.replicas) && has(self.autoscaling))",
             "replicas and autoscaling are mutually exclusive",
             lambda r: not (r.replicas is not None and r.autoscaling is not None),
+        ),
+        Rule(
+            f"!has(self.gpus) || self.gpus == 0 || {POWERS_OF_TWO_64}.exists(p, p == self.gpus)",
+            "gpus (the tensorParallelSize) must be 0 or a power of two",
+            lambda r: r.gpus == 0 or _power_of_two(r.gpus),
+            field=".gpus",
         ),
         Rule(
             "!has(self.tensorParallelSize) || self.tensorParallelSize == self.gpus",
@@ -397,6 +460,9 @@ class InferenceServiceStatus(_Model):
     phase: Literal["Pending", "Downloading", "Progressing", "Ready", "Degraded"] | None = None
     url: str | None = None
     selector: str | None = None
+    decode_selector: str | None = Field(
+        None, description="Label selector of the decode pods (the scale subresource's)"
+    )
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     proxy: RoleStatus | None = None

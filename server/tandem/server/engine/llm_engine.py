@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -17,7 +18,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
-from .kv_transfer import KVLayout
+from .kv_transfer import KVLayout, RemotePrefill
 from .limits import check_request
 from .models.config import ModelConfig, eos_token_ids
 from .output_processor import group_output
@@ -29,6 +30,7 @@ from .scheduler import Scheduler
 from .sessions import SessionStore
 from .stats import EngineStats
 from .stopping import check_stop
+from .structured import GrammarCache
 from .worker import Worker
 
 
@@ -62,6 +64,11 @@ class LLMEngine:
         self.sessions = SessionStore(self.kv)
         layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
         self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
+        self.grammars = GrammarCache(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
+        # groups whose grammar is still compiling, with their P/D handle (admitted when done)
+        self._compiling: list[tuple[list[Request], RemotePrefill | None, Future]] = []
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
@@ -122,6 +129,9 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        grammar = None if params.structured is None else self.grammars.submit(params.structured)
+        if grammar is not None and grammar.done():
+            grammar.result()  # a grammar that failed to compile is this request's 400
         group = []
         for i in range(params.n):
             req = Request(
@@ -151,20 +161,55 @@ class LLMEngine:
             self.sessions.attach(session_id, group[0])
         self._groups[request_id] = group
         group[0].remote_decode = remote_decode
-        if remote is not None:
-            self.handoff.start(group[0], remote)
-            if not params.greedy:  # keep a seeded generator where an aggregated run would be
-                self.worker.skip_draw(group[0].generator)
+        if grammar is not None and not grammar.done():
+            self._compiling.append((group, remote, grammar))
         else:
-            self.scheduler.add(group[0])
+            self._enqueue(group, remote, grammar)
         self._num_prompt_tokens += len(prompt_ids)
         return prompt_ids
+
+    def _enqueue(
+        self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
+    ) -> None:
+        """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
+        if grammar is not None:
+            compiled = grammar.result()
+            for req in group:
+                req.grammar = self.grammars.sequence(compiled, req.params.structured)
+        if remote is None:
+            self.scheduler.add(group[0])
+            return
+        self.handoff.start(group[0], remote)
+        if group[0].grammar is not None:  # the prefill engine sampled it under the same grammar
+            group[0].grammar.advance(group[0].output_token_ids)
+        if not group[0].params.greedy:  # keep a seeded generator where an aggregated run would be
+            self.worker.skip_draw(group[0].generator)
+
+    def _admit_compiled(self) -> None:
+        """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
+        still = []
+        for group, remote, grammar in self._compiling:
+            if not grammar.done():
+                still.append((group, remote, grammar))
+            elif grammar.exception() is not None:
+                group[0].error = str(grammar.exception())
+                for req in group:
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    req.finished_time = time.monotonic()
+                if group[0].session_id is not None:
+                    self.sessions.detach(group[0].session_id, group[0], keep_blocks=False)
+                if (out := self._group_output(group[0].group_id)) is not None:
+                    self._ready_outputs.append(out)
+            else:
+                self._enqueue(group, remote, grammar)
+        self._compiling = still
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
+        self._compiling = [c for c in self._compiling if c[0] is not group]
         for req in group:
             if req.status.finished:
                 continue
@@ -177,12 +222,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return len(self.scheduler) > 0 or bool(self.handoff.waiting) or bool(self._ready_outputs)
+        return bool(
+            len(self.scheduler) or self.handoff.waiting or self._ready_outputs or self._compiling
+        )
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.handoff.leases.sweep()
         self.handoff.admit()
+        self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
@@ -203,6 +251,8 @@ class LLMEngine:
         if req.pending_siblings:
             self._fork_siblings(req)
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.advance(req.output_token_ids)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if logprob is not None:
@@ -276,6 +326,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""
         self.worker.close()
+        self.grammars.close()
 
     def stats(self) -> EngineStats:
         pool, cache = self.kv.pool, self.kv.prefix_cache

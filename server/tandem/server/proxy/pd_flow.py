@@ -268,7 +268,12 @@ class PDFlow:
         picked = self._pick(decoders, chunks, prompt_tokens)
         assert picked is not None
         decode, cached = picked
-        prefillers = self.registry.routable(PREFILL_ROLES, model)
+        # Pair only engines of one KV layout: mid-rollout, old prefill and new decode meet.
+        prefillers = [
+            p
+            for p in self.registry.routable(PREFILL_ROLES, model)
+            if p.kv_layout == decode.kv_layout
+        ]
         why_not = routing.disaggregatable(kind, body)
         if session_key is not None:
             why_not = "session"  # a session's blocks stay on the engine that holds it
@@ -277,8 +282,9 @@ class PDFlow:
             and why_not is None
             and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
         ):
+            same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
             return await self.disaggregated(
-                kind, body, request, chunks, prompt_tokens, prefillers, decode, decoders
+                kind, body, request, chunks, prompt_tokens, prefillers, decode, same_layout
             )
         return await self.forward(
             decode, kind, body, request, chunks, decoders, session_key
@@ -547,7 +553,30 @@ class PDFlow:
                 # D refused or failed before answering: it freed its own blocks; P's lease goes too.
                 self.stats.decode_failures += resp.status_code >= 500
                 self._spawn(self.free_cache(prefill, kv))
-                return await self._relay(node, resp, request, body), "disaggregated"
+                if resp.status_code != 502:
+                    return await self._relay(node, resp, request, body), "disaggregated"
+                try:
+                    content = await watch_client(resp.aread(), request)
+                finally:
+                    await resp.aclose()
+                if not _kv_transfer_failed(content):
+                    return _as_response(resp, content), "disaggregated"
+                # The pull from P failed (P died or hung after answering): P is suspect, and D
+                # recomputes the prompt itself. Never the same failed pair again.
+                self.stats.prefill_failures += 1
+                self.registry.record_failure(
+                    prefill.url, "a decode engine's KV pull from it failed"
+                )
+                self.stats.fallbacks_aggregated += 1
+                log.warning(
+                    "KV pull from %s to %s failed; serving aggregated on %s",
+                    prefill.url,
+                    node.url,
+                    node.url,
+                )
+                return await self.forward(
+                    node, kind, body, request, chunks, decoders
+                ), "aggregated_fallback"
             self.prefix.record(node.url, chunks)
             pf = prefill
 
@@ -568,6 +597,19 @@ class PDFlow:
             )
         self.stats.fallbacks_aggregated += 1
         return await self.forward(rest[0], kind, body, request, chunks, rest), "aggregated_fallback"
+
+
+def _kv_transfer_failed(content: bytes) -> bool:
+    try:
+        error = json.loads(content).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "kv_transfer_error"
+
+
+def _as_response(resp: httpx.Response, content: bytes) -> Response:
+    headers = {"content-type": resp.headers.get("content-type", "application/json")}
+    return Response(content, status_code=resp.status_code, headers=headers)
 
 
 class _Unreachable(Exception):

@@ -176,4 +176,4 @@ def test_session_turns_each_follow_their_grammar(engine: LLMEngine) -> None:
     out2 = drain(engine)["t2"]
     assert out2.num_cached_tokens > 0
     assert valid_stops(out1.outputs + out2.outputs) == 2
-    engine.delete_session("s")
+    engine.sessions.delete("s")

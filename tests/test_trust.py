@@ -21,12 +21,12 @@ from tandem.server.api.app import build_app, transport_key
 from tandem.server.api.auth import Credentials, load_credentials
 from tandem.server.api.state import ServerSettings
 from tandem.server.disagg import trust
-from tandem.server.disagg.kv_transfer import PullTask
 from tandem.server.disagg.puller import KVPuller
 from tandem.server.disagg.transport import KVTransportClient, KVTransportServer, TransportError
 from tandem.server.engine import LLMEngine
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.kv_cache import KVCache
+from tandem.server.engine.kv_transfer import PullTask
 from tandem.server.proxy.app import ProxySettings
 from tandem.server.proxy.app import build_app as build_proxy
 
@@ -113,10 +113,14 @@ def test_finding1_decode_reads_blocks_only_from_a_peer_holding_the_secret(engine
     # A fake prefill server speaking the transport protocol, without the internal secret,
     # serving a lease of its own with garbage blocks.
     fake = KVTransportServer(
-        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.kv_layout
+        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.handoff.layout
     ).start()
     real = KVTransportServer(
-        prefill.kv_cache, {lease: [1, 2]}.get, lambda _: True, layout=prefill.kv_layout, key=KEY
+        prefill.kv_cache,
+        {lease: [1, 2]}.get,
+        lambda _: True,
+        layout=prefill.handoff.layout,
+        key=KEY,
     ).start()
     before = decode.kv_cache.data.clone()
     try:
@@ -179,10 +183,14 @@ def _threads() -> int:
 def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> None:
     prefill, decode = engines
     real = KVTransportServer(
-        prefill.kv_cache, {"lease-2": [1, 2]}.get, lambda _: True, layout=prefill.kv_layout, key=KEY
+        prefill.kv_cache,
+        {"lease-2": [1, 2]}.get,
+        lambda _: True,
+        layout=prefill.handoff.layout,
+        key=KEY,
     ).start()
     held = HeldPeer()
-    puller = KVPuller(lambda: decode.kv_layout, max_workers=4, timeout_s=60, key=KEY)
+    puller = KVPuller(lambda: decode.handoff.layout, max_workers=4, timeout_s=60, key=KEY)
     results: dict[str, str | None] = {}
     finished = threading.Event()
 
@@ -208,7 +216,7 @@ def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> Non
         assert puller.num_peers == 1  # the failed peer's socket is closed, the good one kept
 
         # Every dead address used to keep a ZMQ context (and its I/O thread) forever.
-        quick = KVPuller(lambda: decode.kv_layout, timeout_s=0.2, key=KEY)
+        quick = KVPuller(lambda: decode.handoff.layout, timeout_s=0.2, key=KEY)
         start = _threads()
         for _ in range(12):
             with socket.socket() as s:

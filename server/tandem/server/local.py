@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from tandem.server.net import free_port
+
 DEFAULT_NAME = "smollm2-135m-instruct"
 HOST = "127.0.0.1"
 
@@ -200,12 +202,6 @@ def _yaml(text: str, name: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UpError(f"{name} is not valid YAML: {exc}") from None
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ----- the processes ------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ class ServerState:
         state = self.engine.state
         if state != READY:
             raise APIError(503, f"the engine is {state}; retry later", code=f"engine_{state}")
-        if self.engine.snapshot.is_sleeping:
+        if self.engine.stats.is_sleeping:
             raise APIError(503, "the engine is asleep; POST /wakeup first", code="engine_sleeping")
 
 

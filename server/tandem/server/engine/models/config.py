@@ -96,3 +96,16 @@ def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
             raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048),
         )
     return params
+
+
+def eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer: object) -> set[int]:
+    """The ids that end generation: generation_config.json's, else config.json's, else the tokenizer's."""
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {eos}
+    if cfg.eos_token_ids:
+        return set(cfg.eos_token_ids)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    return {eos_id} if eos_id is not None else set()

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
+from .compiling import CompilingGroups
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
@@ -28,7 +29,7 @@ from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
-from .stats import EngineStats
+from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
 from .tokenizer import load_tokenizer
@@ -66,16 +67,13 @@ class LLMEngine:
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
-        # groups whose grammar is still compiling, with their P/D handle (admitted when done)
-        self._compiling: list[tuple[list[Request], RemotePrefill | None, Future]] = []
+        self._compiling = CompilingGroups(self.grammars)
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
         self._arrival = itertools.count()
         self._rng = random.Random(config.seed)
-        self._num_preemptions = 0
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
+        self.totals = Totals()
 
     @property
     def device(self) -> torch.device:
@@ -111,12 +109,8 @@ class LLMEngine:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
-        if session_id is not None and params.n != 1:
-            raise InvalidParamError("n", "a request in a session takes n=1")
-        if session_id is not None and self.sessions.is_busy(session_id):
-            raise InvalidParamError(
-                "session_id", f"session {session_id!r} already has a request in flight"
-            )
+        if session_id is not None:
+            self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         params, remote_decode, remote = self.handoff.parse(
             kv_transfer, params, session_id, len(prompt_ids)
@@ -131,29 +125,10 @@ class LLMEngine:
         grammar = None if params.structured is None else self.grammars.submit(params.structured)
         if grammar is not None and grammar.done():
             grammar.result()  # a grammar that failed to compile is this request's 400
-        group = []
-        for i in range(params.n):
-            req = Request(
-                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
-                prompt_token_ids=prompt_ids,
-                params=params,
-                max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                arrival_order=next(self._arrival),
-                group_id=request_id,
-                index=i,
-                stream=stream,
-                arrival_time=time.monotonic(),
-                generator=self.worker.new_generator(
-                    params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-                ),
-                detokenizer=(
-                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                    if stream or params.stop
-                    else None
-                ),
-            )
-            group.append(req)
+        group = [
+            self._new_request(request_id, i, prompt_ids, params, max_tokens, stream)
+            for i in range(params.n)
+        ]
         group[0].pending_siblings = group[1:]
         if session_id is not None:
             group[0].session_id = session_id
@@ -161,20 +136,47 @@ class LLMEngine:
         self._groups[request_id] = group
         group[0].remote_decode = remote_decode
         if grammar is not None and not grammar.done():
-            self._compiling.append((group, remote, grammar))
+            self._compiling.hold(group, remote, grammar)
         else:
             self._enqueue(group, remote, grammar)
-        self._num_prompt_tokens += len(prompt_ids)
+        self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
+
+    def _new_request(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stream: bool,
+    ) -> Request:
+        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        return Request(
+            request_id=request_id if params.n == 1 else f"{request_id}-{index}",
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrival),
+            group_id=request_id,
+            index=index,
+            stream=stream,
+            arrival_time=time.monotonic(),
+            generator=self.worker.new_generator(seed),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                if stream or params.stop
+                else None
+            ),
+        )
 
     def _enqueue(
         self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
     ) -> None:
         """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
         if grammar is not None:
-            compiled = grammar.result()
-            for req in group:
-                req.grammar = self.grammars.sequence(compiled, req.params.structured)
+            self._compiling.bind(group, grammar)
         if remote is None:
             self.scheduler.add(group[0])
             return
@@ -186,29 +188,25 @@ class LLMEngine:
 
     def _admit_compiled(self) -> None:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
-        still = []
-        for group, remote, grammar in self._compiling:
-            if not grammar.done():
-                still.append((group, remote, grammar))
-            elif grammar.exception() is not None:
-                group[0].error = str(grammar.exception())
-                for req in group:
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    req.finished_time = time.monotonic()
-                if group[0].session_id is not None:
-                    self.sessions.detach(group[0].session_id, group[0], keep_blocks=False)
-                if (out := self._group_output(group[0].group_id)) is not None:
-                    self._ready_outputs.append(out)
-            else:
-                self._enqueue(group, remote, grammar)
-        self._compiling = still
+        for c in self._compiling.take_done():
+            if c.grammar.exception() is None:
+                self._enqueue(c.group, c.remote, c.grammar)
+                continue
+            c.group[0].error = str(c.grammar.exception())
+            for req in c.group:
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.finished_time = time.monotonic()
+            if c.group[0].session_id is not None:
+                self.sessions.detach(c.group[0].session_id, c.group[0], keep_blocks=False)
+            if (out := self._group_output(c.group[0].group_id)) is not None:
+                self._ready_outputs.append(out)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        self._compiling = [c for c in self._compiling if c[0] is not group]
+        self._compiling.drop(group)
         for req in group:
             if req.status.finished:
                 continue
@@ -222,7 +220,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
         return bool(
-            len(self.scheduler) or self.handoff.waiting or self._ready_outputs or self._compiling
+            len(self.scheduler)
+            or self.handoff.waiting
+            or self._ready_outputs
+            or len(self._compiling)
         )
 
     # ----- the step -----------------------------------------------------------------------
@@ -232,7 +233,7 @@ class LLMEngine:
         self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
         batch = self.scheduler.schedule()
-        self._num_preemptions += len(batch.preempted)
+        self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
         logits, sampling = self.worker.execute(batch)
@@ -256,7 +257,7 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if logprob is not None:
             req.logprobs.append(logprob)
-        self._num_generated_tokens += 1
+        self.totals.generated_tokens += 1
         status, reason = check_stop(req, token, self.max_model_len)
         if status is not None:
             req.stop_reason = reason
@@ -328,20 +329,6 @@ class LLMEngine:
         self.grammars.close()
 
     def stats(self) -> EngineStats:
-        pool, cache = self.kv.pool, self.kv.prefix_cache
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            total_blocks=pool.num_usable,
-            free_blocks=pool.num_free,
-            cached_blocks=pool.num_cached,
-            block_size=self.kv.block_size,
-            prefix_hit_rate=cache.hit_rate if cache is not None else 0.0,
-            num_sessions=len(self.sessions),
-            is_sleeping=self.is_sleeping,
-            num_preemptions=self._num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
-            num_leases=len(self.handoff.leases),
-            num_pulling=len(self.handoff.pulling),
+        return EngineStats.of(
+            self.kv, self.scheduler, len(self.sessions), self.handoff, self.is_sleeping, self.totals
         )

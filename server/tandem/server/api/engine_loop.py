@@ -72,6 +72,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # Wall time spent inside engine.step(): against what clients see, the server's overhead.
+    engine_step_seconds: float = 0.0
     updated_at: float = field(default_factory=time.time)
 
     @property
@@ -157,6 +159,7 @@ class AsyncEngine:
         self._last_expiry = time.monotonic()
         self.error: BaseException | None = None
         self.snapshot = EngineSnapshot()
+        self._step_seconds = 0.0
         self.num_queued_adds = (
             0  # adds submitted but not yet applied; only the event loop writes it
         )
@@ -391,7 +394,9 @@ class AsyncEngine:
 
     def _step(self, engine: LLMEngine) -> None:
         try:
+            started = time.perf_counter()
             outputs = engine.step()
+            self._step_seconds += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
             log.exception("engine step failed; aborting the requests in flight")
             ids = list(self._tracked)
@@ -485,6 +490,7 @@ class AsyncEngine:
             num_preemptions=s.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens,
             num_generated_tokens=s.num_generated_tokens,
+            engine_step_seconds=self._step_seconds,
         )
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVED_NAME = "smollm2"
+THREADS = int(os.environ.get("TANDEM_BENCH_THREADS", "0"))  # 0: each side's default (all cores)
 
 
 # ----- the workload (both children build it from the same seed) ------------------------------
@@ -148,8 +149,13 @@ class Child:
         self.proc.wait(timeout=60)
 
 
-def _env(side: str) -> dict[str, str]:
+def _env(side: str, threads: int | None = None) -> dict[str, str]:
+    """Each side's environment; ``threads`` caps both sides' compute threads alike."""
     env = dict(os.environ)
+    threads = threads or THREADS
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
     if side == "tandem":
         roots = [str(ROOT / "server"), str(ROOT / "operator"), str(ROOT)]
         env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
@@ -376,18 +382,28 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--serving-dtype", default="bfloat16")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads for both sides (0: all cores); 1 on an oversubscribed machine",
+    )
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--no-serving", action="store_true")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.model, args.dtypes, args.num_prompts)
         return
+    if args.threads:
+        os.environ["TANDEM_BENCH_THREADS"] = str(args.threads)
+        global THREADS
+        THREADS = args.threads
     sys.path.insert(0, str(HERE))
     import vllm_peer
 
     model = args.model or str(vllm_peer.smollm2_dir())
     print(machine())
-    print(f"model: {model}")
+    print(f"model: {model}; threads per side: {THREADS or 'all cores'}")
     try:
         peer: Path | None = vllm_peer.build_peer()
     except vllm_peer.PeerUnavailable as exc:

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME, OTHER = "chat", "other"
 MODEL = "tiny-chat"
 API_KEY = "e2e-proxy-key"
+ADMIN_KEY = "e2e-proxy-admin"  # /nodes/* is an admin route (docs/security.md)
 WAIT = 60  # seconds, every wait
 
 
@@ -105,7 +106,7 @@ class Env:
     def nodes(self) -> dict[str, dict[str, Any]]:
         assert self.proxy.poll() is None, f"proxy exited {self.proxy.returncode}:\n{self.tail()}"
         r = httpx.get(
-            self.base + "/nodes/status", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5
+            self.base + "/nodes/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5
         )
         r.raise_for_status()
         return r.json()
@@ -241,6 +242,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "KUBERNETES_SERVICE_PORT",
         ):  # never in-cluster config here
             child_env.pop(var, None)
+        child_env["TANDEM_ADMIN_API_KEY"] = ADMIN_KEY
         with log.open("w") as out:
             proc = subprocess.Popen(
                 [

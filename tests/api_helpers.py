@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 API_KEY = "sk-test-key"
+ADMIN_KEY = "sk-test-admin"  # /pause, /abort_request, ... (docs/security.md)
 # Small enough for a 2-core CPU; max_model_len 512 makes an oversized prompt cheap to build.
 ENGINE_FLAGS = [
     "--kv-cache-tokens",
@@ -54,6 +55,12 @@ class ChildProcess:
         key = getattr(self, "api_key", None)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """For the admin routes: the admin key when this process has one."""
+        key = getattr(self, "admin_key", None)
+        return {"Authorization": f"Bearer {key}"} if key else self.headers
+
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path and self.log_path.exists():
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
@@ -82,10 +89,13 @@ class ServerProcess(ChildProcess):
         api_key: str | None = None,
         log_path: Path | None = None,
         served_model_name: str = "tiny",
+        env: dict[str, str] | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.admin_key = admin_key
         cmd = [
             sys.executable,
             "-m",
@@ -105,9 +115,12 @@ class ServerProcess(ChildProcess):
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env.pop("TANDEM_API_KEY", None)
-        super().__init__(cmd, env, log_path)
+        child_env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        child_env.pop("TANDEM_API_KEY", None)
+        child_env.pop("TANDEM_ADMIN_API_KEY", None)
+        if admin_key:
+            child_env["TANDEM_ADMIN_API_KEY"] = admin_key
+        super().__init__(cmd, {**child_env, **(env or {})}, log_path)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -177,9 +190,9 @@ def held(*servers: ChildProcess) -> Iterator[None]:
     """Hold every request on these engines in flight (``POST /pause``) until the block exits:
     a request that must still be running when its client leaves is held there, not raced."""
     for s in servers:
-        httpx.post(s.url + "/pause", headers=s.headers, timeout=10).raise_for_status()
+        httpx.post(s.url + "/pause", headers=s.admin_headers, timeout=10).raise_for_status()
     try:
         yield
     finally:
         for s in servers:
-            httpx.post(s.url + "/resume", headers=s.headers, timeout=10).raise_for_status()
+            httpx.post(s.url + "/resume", headers=s.admin_headers, timeout=10).raise_for_status()

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from .api_helpers import (
+    ADMIN_KEY,
     API_KEY,
     ENGINE_FLAGS,
     ServerProcess,
@@ -36,6 +37,7 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         model_dir,
         *ENGINE_FLAGS,
         api_key=API_KEY,
+        admin_key=ADMIN_KEY,
         log_path=tmp_path_factory.mktemp("api-log") / "server.log",
     )
     try:
@@ -406,7 +408,8 @@ def test_wrong_types_are_400(http: httpx.Client, field: str, value: object) -> N
         ("logit_bias", {"abc": 1}, "logit_bias"),
         ("logit_bias", {"99999999": 1}, "logit_bias"),
         ("presence_penalty", 5.0, "presence_penalty"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("response_format", {"type": "yaml"}, "response_format.type"),  # an unknown type
+        ("response_format", {"type": "regex_schema", "regex_schema": "("}, "response_format"),
     ],
 )
 def test_bad_values_are_400(http: httpx.Client, field: str, value: object, param: str) -> None:
@@ -541,8 +544,12 @@ def test_abort_request_by_session_and_all(server: ServerProcess, http: httpx.Cli
             tasks = [asyncio.create_task(gen(s)) for s in (71, 72, 73)]
             while (await c.get("/health")).json()["active_requests"] < 3:
                 await asyncio.sleep(0.02)
-            one = (await c.post("/abort_request", json={"session_id": 71})).json()
-            rest = (await c.post("/abort_request", json={"abort_all": True})).json()
+            # an admin route: a client key cannot abort other clients' requests
+            denied = await c.post("/abort_request", json={"abort_all": True})
+            assert denied.status_code == 403
+            admin = server.admin_headers
+            one = (await c.post("/abort_request", json={"session_id": 71}, headers=admin)).json()
+            rest = (await c.post("/abort_request", json={"abort_all": True}, headers=admin)).json()
             assert one["aborted"] == 1 and rest["aborted"] == 2
             return await asyncio.gather(*tasks)
 

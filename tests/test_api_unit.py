@@ -14,6 +14,7 @@ from tandem.server.api.native_routes import ollama_sampling_params
 from tandem.server.api.ops_routes import format_uptime
 from tandem.server.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.server.api.state import ServerSettings
+from tandem.server.api.tool_parsers import tool_plan
 from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
 
 from .api_helpers import make_model
@@ -84,8 +85,8 @@ def test_chat_logprob_count_and_checks() -> None:
     assert mapping.chat_logprobs_count(_chat(logprobs=True, top_logprobs=4)) == 4
     with pytest.raises(APIError):
         mapping.chat_logprobs_count(_chat(top_logprobs=2))
-    with pytest.raises(APIError):
-        mapping.check_chat_request(_chat(tool_choice="required"))
+    with pytest.raises(APIError):  # required without tools
+        tool_plan(None, "required", True, "hermes")
     mapping.check_chat_request(_chat(response_format={"type": "text"}, tool_choice="auto"))
 
 
@@ -234,7 +235,8 @@ def test_failed_engine_is_503_and_reported(model_dir: str) -> None:
 
 def test_auth_terminate_and_env_key(model_dir: str) -> None:
     config = EngineConfig(model=model_dir, kv_cache_tokens=1024, max_model_len=256)
-    app = _app(model_dir, lambda: LLMEngine(config), api_key="k1")
+    app = _app(model_dir, lambda: LLMEngine(config), api_key="k1", admin_api_key="adm")
+    admin = {"Authorization": "Bearer adm"}
     with TestClient(app) as c:
         assert app.state.tandem.engine.wait_ready(30)
         assert c.get("/v1/models").status_code == 401
@@ -244,11 +246,14 @@ def test_auth_terminate_and_env_key(model_dir: str) -> None:
             == "unit"
         )
         assert c.get("/health").status_code == 200
+        # an admin route: a client key is refused
+        r = c.get("/terminate", headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
         # not started by `tandem serve`: terminate says it cannot
-        assert c.get("/terminate", headers={"Authorization": "Bearer k1"}).status_code == 501
+        assert c.get("/terminate", headers=admin).status_code == 501
         called = threading.Event()
         app.state.tandem.shutdown = called.set
-        r = c.get("/terminate", headers={"Authorization": "Bearer k1"})
+        r = c.get("/terminate", headers=admin)
         assert r.status_code == 200
         assert called.wait(5)
         # draining: new work is refused

@@ -64,7 +64,14 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
     topo = local.load_plan(_args(file=f, prefill=2, decode=3))
     assert [(r.role, r.replicas) for r in topo.engines] == [("prefill", 2), ("decode", 3)]
     assert "--kv-cache-tokens" in topo.engines[0].args and "m" in topo.engines[0].args
-    children = local.build_children(topo, 9999, tmp_path, api_key="k", base_env={"PATH": "/bin"})
+    children = local.build_children(
+        topo,
+        9999,
+        tmp_path,
+        api_key="sk-client-secret",
+        base_env={"PATH": "/bin", "TANDEM_API_KEY": "inherited"},
+        internal_key="internal-secret",
+    )
     assert [c.role for c in children] == [
         "proxy",
         "prefill",
@@ -76,11 +83,15 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
     assert len({c.port for c in children}) == len(children)
     engine = children[1].argv
     assert engine[engine.index("--proxy-url") + 1] == "http://127.0.0.1:9999"
-    assert (
-        engine[engine.index("--proxy-api-key") + 1] == "k"
-        and engine[engine.index("--host") + 1] == "127.0.0.1"
+    assert engine[engine.index("--host") + 1] == "127.0.0.1"
+    # keys travel in the environment, never on a command line; engines take only the
+    # internal credential (not the client key, nor one inherited from the caller)
+    assert not any("secret" in arg for c in children for arg in c.argv)
+    assert children[0].env["TANDEM_PROXY_API_KEY"] == "sk-client-secret"
+    assert all(c.env["TANDEM_INTERNAL_API_KEY"] == "internal-secret" for c in children)
+    assert not any(
+        name in c.env for c in children[1:] for name in ("TANDEM_API_KEY", "TANDEM_PROXY_API_KEY")
     )
-    assert children[0].argv[children[0].argv.index("--api-key") + 1] == "k"
     assert children[1].env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 5))
 
     hf = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.operator.plan import plan
-from tandem.operator.render import RenderOptions, render
+from tandem.operator.render import RenderOptions, internal_credential_secret, render
 from tandem.operator.spec import load_inference_service
 from tandem.operator.status import (
     Children,
     DeploymentSummary,
     JobSummary,
     PodSummary,
+    as_patch,
     compute_status,
 )
 
@@ -37,6 +38,7 @@ def by_kind_name(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
 def test_disaggregated_renders_each_role_with_its_service_and_pdb() -> None:
     objs = by_kind_name(render(isvc(prefill={"replicas": 2, "gpus": 2}, decode={"replicas": 3})))
     assert set(objs) == {
+        ("NetworkPolicy", "svc-engines"),
         ("Deployment", "svc-prefill"),
         ("Service", "svc-prefill"),
         ("PodDisruptionBudget", "svc-prefill"),
@@ -90,7 +92,8 @@ def test_engine_pods_get_gpus_probes_and_a_drain() -> None:
     pod = objs[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
     engine = pod["containers"][0]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert engine["resources"]["requests"] == {"cpu": "8", "nvidia.com/gpu": "4"}
+    # the given cpu request wins over the default; memory keeps the default (not BestEffort)
+    assert engine["resources"]["requests"] == {"cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "4"}
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == "4"
     assert args[-4:] == ["--host", "0.0.0.0", "--port", "8000"]
@@ -137,9 +140,9 @@ def test_proxy_discovers_engines_with_rbac_and_serves_the_endpoint() -> None:
     container = proxy["containers"][0]
     args = container["args"]
     assert args[:2] == ["proxy", "--discovery"] and "--selector" in args
-    assert args[args.index("--api-key") + 1] == "$(TANDEM_API_KEY)"
+    assert "--api-key" not in args  # kubelet-expanded arguments would show the key in ps
     assert {
-        "name": "TANDEM_API_KEY",
+        "name": "TANDEM_PROXY_API_KEY",
         "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}},
     } in container["env"]
     role = objs[("Role", "svc-proxy")]
@@ -256,16 +259,29 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
+def ready_pods(*deployments: DeploymentSummary, layout: str | None = None) -> list[PodSummary]:
+    """The ready pods a Deployment's status counts, as the pod index holds them."""
+    role_of = {"both": "both"}
+    return [
+        PodSummary(role_of.get(d.role, d.role), True, kv_layout=layout)
+        for d in deployments
+        for _ in range(d.ready)
+    ]
+
+
+def status_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return as_patch(compute_status(*args, **kwargs))
+
+
 def test_status_ready_when_every_role_is_ready() -> None:
     svc = isvc(prefill={"replicas": 2})
-    kids = Children(
-        deployments=[
-            deployment("prefill", 2, 2),
-            deployment("decode", 1, 1),
-            deployment("proxy", 1, 1),
-        ]
-    )
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    deployments = [
+        deployment("prefill", 2, 2),
+        deployment("decode", 1, 1),
+        deployment("proxy", 1, 1),
+    ]
+    kids = Children(deployments=deployments, pods=ready_pods(*deployments))
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     assert status["phase"] == "Ready" and status["observedGeneration"] == 1
     assert status["url"] == "http://svc.ml.svc.cluster.local:8000/v1"
     assert status["prefill"] == {
@@ -293,7 +309,7 @@ def test_status_waiting_for_gpus_when_pods_are_unschedulable() -> None:
             PodSummary("decode", False, "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")
         ],
     )
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     cond = conditions(status)
     assert cond["Ready"] == ("False", "WaitingForGPUs")
     assert cond["DecodeReady"] == ("False", "WaitingForGPUs") and cond["Degraded"] == (
@@ -312,7 +328,7 @@ def test_status_not_ready_until_the_new_generation_is_rolled_out() -> None:
             deployment("proxy", 1, 1),
         ]
     )
-    status = compute_status(svc, plan(svc), kids, observed_generation=2, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=2, now="t0")
     assert conditions(status)["Ready"][0] == "False"
     assert conditions(status)["Progressing"] == ("True", "RollingUpdate")
     # the spec was not applied yet: not Ready even if every Deployment looks done
@@ -323,13 +339,13 @@ def test_status_not_ready_until_the_new_generation_is_rolled_out() -> None:
             deployment("proxy", 1, 1),
         ]
     )
-    assert compute_status(svc, plan(svc), done, observed_generation=1, now="t0")["phase"] != "Ready"
+    assert status_dict(svc, plan(svc), done, observed_generation=1, now="t0")["phase"] != "Ready"
 
 
 def test_status_downloading_then_failed_download_is_degraded() -> None:
     svc = isvc(model={"name": "q", "uri": "hf://a/b"})
     kids = Children(deployments=[deployment("proxy", 1, 1)])
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     assert status["phase"] == "Downloading" and conditions(status)["DecodeReady"] == (
         "False",
         "WaitingForModel",
@@ -338,23 +354,87 @@ def test_status_downloading_then_failed_download_is_degraded() -> None:
         deployments=kids.deployments,
         jobs=[JobSummary("svc-download-x", succeeded=False, failed=True)],
     )
-    status = compute_status(svc, plan(svc), failed, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), failed, observed_generation=1, now="t0")
     assert conditions(status)["Degraded"] == ("True", "DownloadFailed")
 
 
 def test_condition_transition_time_moves_only_on_a_change() -> None:
     svc = isvc()
-    ready = Children(
-        deployments=[
-            deployment("prefill", 1, 1),
-            deployment("decode", 1, 1),
-            deployment("proxy", 1, 1),
-        ]
-    )
+    deployments = [
+        deployment("prefill", 1, 1),
+        deployment("decode", 1, 1),
+        deployment("proxy", 1, 1),
+    ]
+    ready = Children(deployments=deployments, pods=ready_pods(*deployments))
     first = compute_status(svc, plan(svc), ready, 1, now="t0")
     again = compute_status(svc, plan(svc), ready, 1, now="t1", previous=first)
-    assert {c["lastTransitionTime"] for c in again["conditions"]} == {"t0"}
-    broken = Children(deployments=[deployment("prefill", 1, 0), *ready.deployments[1:]])
+    assert {c.last_transition_time for c in again.conditions} == {"t0"}
+    broken = Children(
+        deployments=[deployment("prefill", 1, 0), *ready.deployments[1:]],
+        pods=ready_pods(*ready.deployments[1:]),
+    )
     after = compute_status(svc, plan(svc), broken, 1, now="t2", previous=again)
-    times = {c["type"]: c["lastTransitionTime"] for c in after["conditions"]}
+    times = {c.type: c.last_transition_time for c in after.conditions}
     assert times["Ready"] == times["PrefillReady"] == "t2" and times["DecodeReady"] == "t0"
+
+
+def test_engines_get_the_internal_credential_from_a_secret_and_a_network_policy() -> None:
+    """Issue 11, findings 3 and 6: engine pods refuse callers without the internal credential
+    (they get it from a Secret, as an environment variable), no key is ever an argument, and
+    only their own InferenceService's pods can reach them."""
+    spec = isvc(
+        prefill={"replicas": 1}, decode={"replicas": 2}, proxy={"apiKeySecret": {"name": "keys"}}
+    )
+    objs = by_kind_name(render(spec))
+    ref = {
+        "name": "TANDEM_INTERNAL_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "svc-internal", "key": "internal-api-key"}},
+    }
+    for name in ("svc-prefill", "svc-decode", "svc-proxy"):
+        container = objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert ref in container["env"], name
+        assert not any("key" in arg.lower() for arg in container["args"]), container["args"]
+        assert not any("value" in e and "KEY" in e["name"] for e in container["env"])
+    policy = objs[("NetworkPolicy", "svc-engines")]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
+    spec_ = policy["spec"]
+    assert spec_["policyTypes"] == ["Ingress"]
+    engine_labels = objs[("Deployment", "svc-decode")]["spec"]["template"]["metadata"]["labels"]
+    proxy_labels = objs[("Deployment", "svc-proxy")]["spec"]["template"]["metadata"]["labels"]
+    selected = spec_["podSelector"]["matchLabels"]
+    assert selected.items() <= engine_labels.items()
+    assert not selected.items() <= proxy_labels.items()  # the public proxy is not locked down
+    peers, scraper = spec_["ingress"]
+    peer_labels = peers["from"][0]["podSelector"]["matchLabels"]
+    assert "ports" not in peers  # HTTP and the KV transport's port
+    assert (
+        peer_labels.items() <= proxy_labels.items() and peer_labels.items() <= engine_labels.items()
+    )
+    assert "namespaceSelector" not in peers["from"][0]  # this namespace only
+    # another InferenceService's pods are not peers
+    other = by_kind_name(render(load_inference_service({**spec_body("other")})))
+    other_labels = other[("Deployment", "other-engine")]["spec"]["template"]["metadata"]["labels"]
+    assert not peer_labels.items() <= other_labels.items()
+    assert scraper["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert scraper["from"][0]["podSelector"]["matchLabels"] == {
+        "tandem.dev/metrics-scraper": "true"
+    }
+
+
+def spec_body(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {"mode": "Aggregated", "model": {"name": "tiny", "uri": "/models/tiny"}},
+    }
+
+
+def test_internal_credential_secret_is_rendered_from_the_given_token() -> None:
+    spec = isvc()
+    topology = plan(spec)
+    secret = internal_credential_secret(spec, topology, "tok")
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "svc-internal"
+    assert secret["stringData"] == {"internal-api-key": "tok"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert ("Secret", "svc-internal") not in by_kind_name(render(spec))  # created once, not applied

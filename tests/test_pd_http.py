@@ -122,7 +122,9 @@ def test_engine_info_and_layout_handshake(engines) -> None:
         decode8.url + "/v1/completions", json={**BODY, "kv_transfer_params": handle}, timeout=60
     )
     assert r.status_code == 502 and "block_size" in r.json()["error"]["message"]
-    assert r.json()["error"]["type"] == "kv_transfer_error"
+    # the engine's side failed, not the client's request: a typed server error
+    assert r.json()["error"]["type"] == "server_error"
+    assert r.json()["error"]["code"] == "kv_transfer_error"
     decode8.wait_idle()
     httpx.post(
         prefill.url + "/distserve/free_cache",

@@ -16,7 +16,15 @@ import pytest
 from tandem.server.proxy.registration import register_engine
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, aborted_count, held, sse_events, wait_until
-from .test_proxy_helpers import PROXY_KEY, ProxyProcess, kill, metric_value, stop_all, wait_free
+from .test_proxy_helpers import (
+    PROXY_ADMIN_KEY,
+    PROXY_KEY,
+    ProxyProcess,
+    kill,
+    metric_value,
+    stop_all,
+    wait_free,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -207,7 +215,7 @@ def fragile(llama_dir, tmp_path_factory: pytest.TempPathFactory, stack):
     )
     started: list = [proxy]
     try:
-        self_registering = ("--proxy-url", proxy.url, "--proxy-api-key", PROXY_KEY)
+        self_registering = ("--proxy-url", proxy.url, "--proxy-api-key", PROXY_ADMIN_KEY)
         engines = {
             name: _engine(
                 str(llama_dir), role, logs, name, *(self_registering if name.endswith("1") else ())
@@ -229,7 +237,9 @@ def fragile(llama_dir, tmp_path_factory: pytest.TempPathFactory, stack):
 def _register(proxy: ProxyProcess, *engines_and_roles: tuple[ServerProcess, str]) -> None:
     for e, role in engines_and_roles:
         e.wait_ready()
-        asyncio.run(register_engine(proxy.url, e.url, role, [MODEL], api_key=PROXY_KEY, attempts=1))
+        asyncio.run(
+            register_engine(proxy.url, e.url, role, [MODEL], api_key=PROXY_ADMIN_KEY, attempts=1)
+        )
     proxy.wait_healthy([e.url for e, _ in engines_and_roles])
 
 

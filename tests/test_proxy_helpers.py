@@ -15,18 +15,25 @@ import httpx
 
 from .api_helpers import ChildProcess, ServerProcess, free_port
 
-PROXY_KEY = "sk-proxy-key"
+PROXY_KEY = "sk-proxy-key"  # a client key
+PROXY_ADMIN_KEY = "sk-proxy-admin"  # /nodes/*, /distserve/* (docs/security.md)
 
 
 class ProxyProcess(ChildProcess):
     """``tandem proxy`` in a subprocess."""
 
     def __init__(
-        self, *extra: str, api_key: str | None = PROXY_KEY, log_path: Path | None = None
+        self,
+        *extra: str,
+        api_key: str | None = PROXY_KEY,
+        admin_key: str | None = PROXY_ADMIN_KEY,
+        log_path: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.admin_key = admin_key if api_key else None
         cmd = [
             sys.executable,
             "-m",
@@ -42,15 +49,26 @@ class ProxyProcess(ChildProcess):
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ)
-        env.pop("TANDEM_PROXY_API_KEY", None)
-        super().__init__(cmd, env, log_path)
+        child_env = dict(os.environ)
+        child_env.pop("TANDEM_PROXY_API_KEY", None)
+        child_env.pop("TANDEM_ADMIN_API_KEY", None)
+        if self.admin_key:
+            child_env["TANDEM_ADMIN_API_KEY"] = self.admin_key
+        super().__init__(cmd, {**child_env, **(env or {})}, log_path)
+
+    def headers_for(self, path: str) -> dict[str, str]:
+        """The admin key for the admin routes, the client key for the rest."""
+        if self.admin_key and path.startswith(("/nodes/", "/distserve/")):
+            return {"Authorization": f"Bearer {self.admin_key}"}
+        return self.headers
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
+        return httpx.get(self.url + path, headers=self.headers_for(path), timeout=30, **kw)
 
     def post(self, path: str, json: Any = None, **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=json, headers=self.headers, timeout=60, **kw)
+        return httpx.post(
+            self.url + path, json=json, headers=self.headers_for(path), timeout=60, **kw
+        )
 
     def nodes(self) -> dict[str, dict]:
         return self.get("/nodes/status").json()

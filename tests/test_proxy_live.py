@@ -22,7 +22,15 @@ from .api_helpers import (
     sse_events,
     wait_until,
 )
-from .test_proxy_helpers import PROXY_KEY, ProxyProcess, kill, metric_value, stop_all, wait_free
+from .test_proxy_helpers import (
+    PROXY_ADMIN_KEY,
+    PROXY_KEY,
+    ProxyProcess,
+    kill,
+    metric_value,
+    stop_all,
+    wait_free,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -227,12 +235,12 @@ def test_registration_and_dead_registered_node_is_dropped(stack) -> None:
     proxy, _ = stack
     ghost = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     asyncio.run(
-        register_engine(proxy.url, ghost, "decode", ["tiny"], api_key=PROXY_KEY, attempts=1)
+        register_engine(proxy.url, ghost, "decode", ["tiny"], api_key=PROXY_ADMIN_KEY, attempts=1)
     )
     assert proxy.nodes()[ghost]["role_name"] == "decode"
-    asyncio.run(deregister_engine(proxy.url, ghost, api_key=PROXY_KEY))
+    asyncio.run(deregister_engine(proxy.url, ghost, api_key=PROXY_ADMIN_KEY))
     assert ghost not in proxy.nodes()
-    asyncio.run(register_engine(proxy.url, ghost, 3, ["tiny"], api_key=PROXY_KEY, attempts=1))
+    asyncio.run(register_engine(proxy.url, ghost, 3, ["tiny"], api_key=PROXY_ADMIN_KEY, attempts=1))
     # never healthy: kept through the startup grace (2 s), then dropped after 2 failed polls
     proxy.wait_nodes(lambda n: ghost not in n, timeout=20)
     with pytest.raises(RuntimeError, match="refused"):  # a wrong key is refused, not retried

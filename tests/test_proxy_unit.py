@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from tandem.server.api.auth import Credentials
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
@@ -363,8 +364,9 @@ def _call(app, method: str, path: str, **kw) -> httpx.Response:
 
 
 def test_app_auth_validation_and_no_engines() -> None:
-    app = build_app(ProxySettings(api_key="k"))
+    app = build_app(ProxySettings(api_key="k", credentials=Credentials(admin_key="adm")))
     auth = {"Authorization": "Bearer k"}
+    admin = {"Authorization": "Bearer adm"}
     r = _call(app, "POST", "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = _call(
@@ -384,13 +386,15 @@ def test_app_auth_validation_and_no_engines() -> None:
     r = _call(app, "POST", "/v1/completions", json=[1, 2], headers=auth)
     assert r.status_code == 400
     r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=auth)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"  # a client key
+    r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=admin)
     assert r.status_code == 400 and r.json()["error"]["param"] == "url"
     r = _call(
         app,
         "POST",
         "/nodes/add",
         json={"url": "http://127.0.0.1:9", "status": {"role": 7}},
-        headers=auth,
+        headers=admin,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "status.role"
     r = _call(app, "GET", "/nope", headers=auth)
@@ -427,3 +431,18 @@ def test_app_node_routes_in_process() -> None:
     assert list(_call(app, "GET", "/nodes/status").json()) == ["http://127.0.0.1:10"]
     r = _call(app, "POST", "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_pod_tracker_reads_each_engines_kv_layout() -> None:
+    """The operator labels engine pods with their KV layout; the proxy pairs by it."""
+    reg = Registry()
+    t = PodTracker(reg)
+    old, new = _pod("a"), _pod("b", ip="10.0.0.6", role="prefill")
+    old["metadata"]["labels"]["tandem.dev/kv-layout"] = "aaa"
+    new["metadata"]["labels"]["tandem.dev/kv-layout"] = "bbb"
+    t.apply("ADDED", old)
+    t.apply("ADDED", new)
+    assert {n.role: n.kv_layout for n in reg.nodes()} == {"decode": "aaa", "prefill": "bbb"}
+    new["metadata"]["labels"]["tandem.dev/kv-layout"] = "aaa"  # a relabelled pod is updated
+    t.apply("MODIFIED", new)
+    assert {n.kv_layout for n in reg.nodes()} == {"aaa"}

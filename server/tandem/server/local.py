@@ -8,13 +8,19 @@ ports instead of pod IPs, the proxy finds the engines because they register with
 embedded tiny model when none is given) instead of a download into a volume.
 
 Every child runs in its own process group; Ctrl-C or SIGTERM stops them all (SIGTERM to
-each group, SIGKILL after a grace period), and so does any failure while starting.
+each group, SIGKILL after a grace period), and so does any failure while starting. An
+engine that dies later is deregistered from the proxy and restarted with backoff.
+
+Keys never appear on a command line (``ps`` shows those to every user): the client key,
+the admin key and the internal credential that ``tandem up`` generates for the proxy and
+its engines are passed in the environment (``docs/security.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -60,7 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require this key from clients at the proxy (default: $TANDEM_PROXY_API_KEY)",
+        help="require this key from clients at the proxy (default: $TANDEM_PROXY_API_KEY; "
+        "prefer the environment: arguments show in ps)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key for the proxy's /nodes/* and the engines' admin routes (default: "
+        "$TANDEM_ADMIN_API_KEY; none: those routes take only the internal credential)",
     )
     parser.add_argument(
         "--log-dir",
@@ -95,6 +108,8 @@ def default_spec(model_dir: str) -> dict[str, Any]:
             "prefill": {"replicas": 1, "gpus": 0},
             "decode": {"replicas": 1, "gpus": 0},
             "proxy": {"extraArgs": ["--disagg-threshold", "0"]},
+            # A failed KV pull (a prefill engine died after answering) recomputes on decode.
+            "engine": {"kvPullFallback": "recompute"},
         },
     }
 
@@ -235,16 +250,41 @@ class Child:
             self._log = None
 
 
+# Keys a child might inherit from the caller's environment; each child gets only its own.
+KEY_ENV = (
+    "TANDEM_API_KEY",
+    "TANDEM_API_KEY_FILE",
+    "TANDEM_PROXY_API_KEY",
+    "TANDEM_PROXY_API_KEY_FILE",
+    "TANDEM_ENGINE_API_KEY",
+    "TANDEM_INTERNAL_API_KEY",
+    "TANDEM_INTERNAL_API_KEY_FILE",
+    "TANDEM_ADMIN_API_KEY",
+    "TANDEM_ADMIN_API_KEY_FILE",
+)
+
+
 def build_children(
     topology: Any,
     proxy_port: int,
     log_dir: Path,
     api_key: str | None,
     base_env: dict[str, str] | None = None,
+    *,
+    internal_key: str,
+    admin_key: str | None = None,
 ) -> list[Child]:
-    """The proxy first, then every engine replica, each with its own loopback port."""
-    env0 = dict(os.environ if base_env is None else base_env)
+    """The proxy first, then every engine replica, each with its own loopback port.
+
+    Engines take only the internal credential (and the admin key): nothing but the proxy,
+    or an administrator, can call them. Every key travels in the environment."""
+    env0 = {
+        k: v for k, v in (os.environ if base_env is None else base_env).items() if k not in KEY_ENV
+    }
     env0.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env0["TANDEM_INTERNAL_API_KEY"] = internal_key
+    if admin_key:
+        env0["TANDEM_ADMIN_API_KEY"] = admin_key
     engines = [r for r in topology.engines if r.replicas > 0]
     n_engines = sum(r.replicas for r in engines)
     # Engines on CPU share the cores: one BLAS pool per engine each the size of the machine
@@ -256,7 +296,8 @@ def build_children(
     proxy_plan = topology.role("proxy")
     proxy_args = list(proxy_plan.args) if proxy_plan is not None else ["proxy"]
     proxy_env = dict(env0)
-    proxy_env.pop("TANDEM_PROXY_API_KEY", None)
+    if api_key:
+        proxy_env["TANDEM_PROXY_API_KEY"] = api_key
     children = [
         Child(
             "proxy",
@@ -269,13 +310,6 @@ def build_children(
                 HOST,
                 "--port",
                 str(proxy_port),
-                *(["--api-key", api_key] if api_key else []),
-                # engines that inherit $TANDEM_API_KEY require it: the proxy sends it
-                *(
-                    ["--engine-api-key", env0["TANDEM_API_KEY"]]
-                    if env0.get("TANDEM_API_KEY")
-                    else []
-                ),
             ],
             proxy_env,
             log_dir / "proxy.log",
@@ -297,7 +331,6 @@ def build_children(
                 str(port),
                 "--proxy-url",
                 proxy_url,
-                *(["--proxy-api-key", api_key] if api_key else []),
             ]
             children.append(
                 Child(f"{r.name}-{i}", r.role, port, argv, env, log_dir / f"{r.name}-{i}.log")
@@ -371,10 +404,7 @@ def wait_ready(children: list[Child], timeout: float, stop: threading.Event, out
 
     proxy = next(c for c in children if c.role == "proxy")
     engines = [c for c in children if c.role != "proxy"]
-    headers = {}
-    for i, a in enumerate(proxy.argv):
-        if a == "--api-key" and i + 1 < len(proxy.argv):
-            headers["Authorization"] = f"Bearer {proxy.argv[i + 1]}"
+    headers = internal_headers(proxy)
     deadline = time.monotonic() + timeout
     ready: set[str] = set()
     with httpx.Client(timeout=3.0) as client:
@@ -412,6 +442,67 @@ def wait_ready(children: list[Child], timeout: float, stop: threading.Event, out
             stop.wait(0.3)
 
 
+def internal_headers(proxy: Child) -> dict[str, str]:
+    """What tandem up itself sends the proxy's /nodes/* routes: the internal credential."""
+    return {"Authorization": f"Bearer {proxy.env['TANDEM_INTERNAL_API_KEY']}"}
+
+
+@dataclass
+class Restarts:
+    """Engines that died after start-up: each is deregistered and restarted after a delay
+    that doubles with each death (1 s, 2 s, ... up to ``max_delay``)."""
+
+    out: TextIO
+    max_delay: float = 30.0
+    count: dict[str, int] = field(default_factory=dict)
+    due: dict[str, float] = field(default_factory=dict)
+
+    def died(self, c: Child, rc: int, proxy: Child) -> None:
+        n = self.count.get(c.name, 0)
+        delay = min(self.max_delay, 2.0**n)
+        self.count[c.name] = n + 1
+        self.due[c.name] = time.monotonic() + delay
+        deregistered = _deregister(proxy, c)
+        print(
+            f"tandem up: {c.name} exited with status {rc}; "
+            f"{'deregistered it, ' if deregistered else ''}restarting it in {delay:.0f}s "
+            f"(restart {n + 1}; log: {c.log_path})",
+            file=self.out,
+            flush=True,
+        )
+
+    def restart_due(self, engines: list[Child]) -> None:
+        now = time.monotonic()
+        for c in engines:
+            if self.due.get(c.name, float("inf")) <= now:
+                del self.due[c.name]
+                c.close_log()
+                c.start()
+                print(
+                    f"tandem up: restarted {c.name} on {c.url}; it rejoins the proxy once loaded",
+                    file=self.out,
+                    flush=True,
+                )
+
+    def waiting(self, c: Child) -> bool:
+        return c.name in self.due
+
+
+def _deregister(proxy: Child, c: Child) -> bool:
+    import httpx
+
+    try:
+        r = httpx.post(
+            proxy.url + "/nodes/remove",
+            json={"url": c.url},
+            headers=internal_headers(proxy),
+            timeout=3.0,
+        )
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
 # ----- the command ------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     out = sys.stdout
@@ -421,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None
+    admin_key = args.admin_api_key or os.environ.get("TANDEM_ADMIN_API_KEY") or None
     try:
         proxy_port = free_port() if args.port == 0 else _check_port(args.port)
     except UpError as exc:
@@ -432,7 +524,14 @@ def run(args: argparse.Namespace) -> int:
         else Path(tempfile.mkdtemp(prefix=f"tandem-up-{topology.name}-"))
     )
     log_dir.mkdir(parents=True, exist_ok=True)
-    children = build_children(topology, proxy_port, log_dir, api_key)
+    children = build_children(
+        topology,
+        proxy_port,
+        log_dir,
+        api_key,
+        internal_key=secrets.token_urlsafe(32),
+        admin_key=admin_key,
+    )
 
     stop = threading.Event()
     previous = {
@@ -473,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         proxy = children[0]
-        reported: set[str] = set()
+        restarts = Restarts(out)
         while not stop.wait(0.5):
             if (rc := proxy.exited()) is not None:
                 print(
@@ -483,14 +582,9 @@ def run(args: argparse.Namespace) -> int:
                 code = 1
                 break
             for c in engines:
-                if c.name not in reported and (rc := c.exited()) is not None:
-                    reported.add(c.name)
-                    print(
-                        f"tandem up: {c.name} exited with status {rc} (the proxy routes around it; log: "
-                        f"{c.log_path})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                if not restarts.waiting(c) and (rc := c.exited()) is not None:
+                    restarts.died(c, rc, proxy)
+            restarts.restart_due(engines)
         return code
     finally:
         print("tandem up: stopping", file=out, flush=True)

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from tandem.server.engine import LLMEngine
 
 from . import distserve_routes, native_routes, openai_routes, ops_routes
-from .auth import APIKeyMiddleware
+from .auth import AuthMiddleware
 from .chat_history import ChatHistories
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
@@ -33,6 +33,7 @@ def build_app(
     on_engine_failure: Callable[[BaseException], None] | None = None,
     kv_transfer_host: str = "127.0.0.1",
     kv_transfer_port: int = 0,
+    kv_transfer_timeout: float = 5.0,
     registration: ProxyRegistration | None = None,
 ) -> FastAPI:
     """One server: the engine is built by ``build_engine`` on the engine thread at startup (the
@@ -47,7 +48,13 @@ def build_app(
         snapshot=lambda: holder["s"].engine.snapshot,
         pending=lambda: holder["s"].engine.num_queued_adds,
     )
-    transport = _KVTransport(settings.role, kv_transfer_host, kv_transfer_port)
+    transport = _KVTransport(
+        settings.role,
+        kv_transfer_host,
+        kv_transfer_port,
+        transport_key(settings.internal_api_key),
+        kv_transfer_timeout,
+    )
     engine = AsyncEngine(
         build_engine,
         max_waiting=settings.max_waiting_requests,
@@ -95,23 +102,33 @@ def build_app(
     app.include_router(native_routes.router, tags=["native"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if not settings.credentials.open:
+        app.add_middleware(AuthMiddleware, credentials=settings.credentials)
     return app
+
+
+def transport_key(internal_api_key: str | None) -> bytes | None:
+    from tandem.server.disagg.trust import derive_key
+
+    return derive_key(internal_api_key, "kv-transport") if internal_api_key else None
 
 
 class _KVTransport:
     """The engine's P/D transport: a prefill-capable engine serves its leased blocks, a
     decode-capable one pulls. Started on the engine thread once the KV cache exists."""
 
-    def __init__(self, role: str, host: str, port: int) -> None:
+    def __init__(
+        self, role: str, host: str, port: int, key: bytes | None, timeout_s: float
+    ) -> None:
         from tandem.server.disagg.puller import KVPuller
 
-        self.role, self.host, self.port = role, host, port
+        self.role, self.host, self.port, self.key = role, host, port, key
         self.server: Any = None
         self._engine: LLMEngine | None = None
         self.puller = (
-            KVPuller(lambda: self._engine.kv_layout) if role in ("decode", "both") else None
+            KVPuller(lambda: self._engine.kv_layout, timeout_s=timeout_s, key=key)
+            if role in ("decode", "both")
+            else None
         )
 
     def start(self, engine: LLMEngine) -> None:
@@ -126,6 +143,7 @@ class _KVTransport:
                 host=self.host,
                 port=self.port,
                 layout=engine.kv_layout,
+                key=self.key,
             ).start()
             engine.kv_transfer_address = self.server.address
             log.info("KV transport listening on %s", self.server.address)

@@ -21,6 +21,7 @@ from tandem.server.engine import (
     RequestOutput,
     SamplingParams,
 )
+from tandem.server.engine.structured import GrammarError, GrammarSpec
 
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
 from .errors import APIError
@@ -113,9 +114,7 @@ class Job:
                 if isinstance(item, BaseException):
                     raise api_error(item)
                 if item.error is not None:  # ended without finishing, e.g. a failed KV pull
-                    raise APIError(
-                        502, item.error, code="kv_transfer_error", type="kv_transfer_error"
-                    )
+                    raise APIError(502, item.error, code="kv_transfer_error", type="server_error")
                 latest[rid] = item
                 self.last[rid] = item
                 if item.finished:
@@ -149,6 +148,16 @@ class Job:
                 self.abort_unfinished()
 
 
+async def compile_grammar(state: ServerState, spec: GrammarSpec) -> None:
+    """Compile on the engine's grammar thread before adding, so a schema the library refuses
+    is this request's 400 and a slow one waits here, not in the engine's step."""
+    grammars = await state.engine.call(lambda e: e.grammars)
+    try:
+        await asyncio.wrap_future(grammars.submit(spec))
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_schema") from exc
+
+
 async def submit(
     state: ServerState,
     base_id: str,
@@ -168,6 +177,8 @@ async def submit(
             param="kv_transfer_params",
             code="invalid_value",
         )
+    if params.structured is not None:
+        await compile_grammar(state, params.structured)
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]

@@ -15,6 +15,7 @@ from tandem.server.engine import CompletionOutput, InvalidParamError, RequestOut
 
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
+from .tool_parsers import arguments_as_objects
 
 # A logprob of -inf is not JSON; clients get this floor instead (OpenAI uses -9999.0 too).
 LOGPROB_FLOOR = -9999.0
@@ -169,22 +170,6 @@ def chat_logprobs_count(req: ChatCompletionRequest) -> int | None:
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
     """Refuse what the engine cannot honour instead of silently ignoring it."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(
-            400,
-            f"response_format type {fmt.type!r} is not supported; only 'text'",
-            param="response_format",
-            code="unsupported_value",
-        )
-    choice = req.tool_choice
-    if choice not in (None, "none", "auto"):
-        raise APIError(
-            400,
-            "tool_choice other than 'none' or 'auto' is not supported (no tool-call parser)",
-            param="tool_choice",
-            code="unsupported_value",
-        )
     if isinstance(req.messages, list) and not req.messages:
         raise APIError(400, "messages must not be empty", param="messages", code="invalid_value")
 
@@ -248,7 +233,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id"):
             if (v := getattr(m, key)) is not None:
-                msg[key] = v
+                msg[key] = arguments_as_objects(v) if key == "tool_calls" else v
         out.append(msg)
     return out
 

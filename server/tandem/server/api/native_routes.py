@@ -27,6 +27,7 @@ from .protocol import (
 )
 from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
 from .state import get_state
+from .structured import ollama_format_spec
 
 router = APIRouter()
 
@@ -218,14 +219,9 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
         raise APIError(
             400, "image inputs are not supported", param="images", code="unsupported_value"
         )
-    if body.format not in (None, ""):
-        raise APIError(
-            400,
-            "format (structured output) is not supported",
-            param="format",
-            code="unsupported_value",
-        )
     params = ollama_sampling_params(body.options)
+    if (spec := ollama_format_spec(body.format)) is not None:
+        params = params.clone(structured=spec)
     if body.raw or getattr(state.tokenizer, "chat_template", None) is None:
         text = body.prompt
         prompt = list(body.context or []) + state.tokenizer.encode(text)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import mapping
+from tandem.server.engine.structured import GrammarSpec
+
+from . import mapping, structured
+from .chat_choice import ChoiceStream, chat_message
 from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, submit
+from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
     ChatCompletionRequest,
@@ -21,8 +26,10 @@ from .protocol import (
     CompletionResponse,
     ModelList,
 )
+from .reasoning import THINK_END
 from .sse import DONE, SSE_HEADERS, sse_event
 from .state import ServerState, get_state
+from .tool_parsers import Parser, parser_for_template, tool_plan
 
 log = logging.getLogger("tandem.api")
 
@@ -66,6 +73,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     params = mapping.sampling_params(
         body, vocab_size=state.vocab_size, default_max_tokens=None, logprobs=top
     )
+    tools, reasoning, spec = _chat_plan(state, body)
+    if spec is not None:
+        params = params.clone(structured=spec)
     session = mapping.session_key(body.session_id)
     raw_prompt = (
         isinstance(body.messages, str) and body.do_preprocess is False
@@ -76,6 +86,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     text = mapping.render_chat(state.tokenizer, body, conversation)
     prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
+    check_kv_transfer(state, request, body.kv_transfer_params, [prompt_ids])
     job = await submit(
         state,
         request_id,
@@ -102,6 +113,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 top,
                 include_usage,
                 bool(body.return_token_ids),
+                (lambda: ChoiceStream(tools, reasoning)) if tools or reasoning else None,
             ),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
@@ -110,18 +122,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         outputs = await job.collect(request)
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
-    return _with_handoff(
-        mapping.chat_response(
-            request_id=request_id,
-            created=created,
-            model=model,
-            outputs=outputs,
-            tokenizer=state.tokenizer,
-            top_logprobs=top,
-            return_token_ids=bool(body.return_token_ids),
-        ),
-        outputs,
+    response = mapping.chat_response(
+        request_id=request_id,
+        created=created,
+        model=model,
+        outputs=outputs,
+        tokenizer=state.tokenizer,
+        top_logprobs=top,
+        return_token_ids=bool(body.return_token_ids),
     )
+    if tools or reasoning:
+        for choice, c in zip(response["choices"], outputs[0].outputs):
+            choice["message"], choice["finish_reason"] = chat_message(
+                c.text, c.finish_reason, tools, reasoning
+            )
+    return _with_handoff(state, response, outputs)
+
+
+def _chat_plan(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[Parser | None, bool, GrammarSpec | None]:
+    """The tool-call parser, whether thinking is split off, and the grammar of a chat request
+    (its structured-output fields, or ``tool_choice`` required / named)."""
+    fmt = state.settings.tool_call_parser or parser_for_template(
+        getattr(state.tokenizer, "chat_template", None)
+    )
+    tool_spec, tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, fmt)
+    spec = structured.request_spec(body)
+    if spec is not None and tool_spec is not None:
+        raise APIError(
+            400,
+            "a structured-output field and tool_choice required/named cannot be combined",
+            param="tool_choice",
+        )
+    spec = spec or tool_spec
+    kwargs = body.chat_template_kwargs or {}
+    reasoning = (
+        state.settings.reasoning_parser is not None
+        and kwargs.get("enable_thinking", body.enable_thinking) is not False
+    )
+    if spec is not None and reasoning:  # the grammar holds for the answer, after the thinking
+        end = state.tokenizer.encode(THINK_END, add_special_tokens=False)
+        spec = dataclasses.replace(spec, after_token_ids=tuple(end))
+    return tools, reasoning, spec
 
 
 async def _chat_stream(
@@ -133,6 +176,7 @@ async def _chat_stream(
     top: int | None,
     include_usage: bool,
     return_token_ids: bool,
+    new_choice: Callable[[], ChoiceStream] | None = None,
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
         return sse_event(
@@ -149,6 +193,7 @@ async def _chat_stream(
     rid = job.request_ids[0]
     n = None
     cursors: dict[int, mapping.Cursor] = {}
+    parsers: dict[int, ChoiceStream] = {}
     try:
         async for latest in job.updates():
             out = latest[rid]
@@ -171,13 +216,19 @@ async def _chat_stream(
                 if cur.done or (c.finish_reason is None and len(c.text) <= cur.text):
                     continue
                 text, tokens, lps = cur.advance(c)
+                delta: dict[str, Any] = {"content": text} if text else {}
+                reason = c.finish_reason
+                if new_choice is not None:
+                    parser = parsers.setdefault(c.index, new_choice())
+                    delta = parser.delta(c.text, final=reason is not None)
+                    reason = parser.finish_reason(reason)
                 choice: dict[str, Any] = {
                     "index": c.index,
-                    "delta": {"content": text} if text else {},
+                    "delta": delta,
                     "logprobs": mapping.chat_logprobs(state.tokenizer, lps, top)
                     if top is not None
                     else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                 }
                 if return_token_ids:
                     choice["token_ids"] = tokens
@@ -213,6 +264,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = mapping.sampling_params(
         body, vocab_size=state.vocab_size, default_max_tokens=16, logprobs=body.logprobs
     )
+    if (spec := structured.request_spec(body)) is not None:
+        params = params.clone(structured=spec)
     prompts = mapping.completion_prompts(body.prompt)
     prompt_ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     echo_texts: list[str | None] = [
@@ -225,6 +278,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
         )
+    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
     job = await submit(
         state,
         request_id,
@@ -257,6 +311,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
     return _with_handoff(
+        state,
         mapping.completion_response(
             request_id=request_id,
             created=created,
@@ -271,10 +326,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     )
 
 
-def _with_handoff(response: dict[str, Any], outputs: list[Any]) -> dict[str, Any]:
+def _with_handoff(
+    state: ServerState, response: dict[str, Any], outputs: list[Any]
+) -> dict[str, Any]:
     """A prefill engine's answer carries the handle the decode engine pulls the KV cache with."""
     if outputs and outputs[0].kv_transfer_params is not None:
-        response["kv_transfer_params"] = outputs[0].kv_transfer_params
+        response["kv_transfer_params"] = signed(
+            state, outputs[0].kv_transfer_params, outputs[0].prompt_token_ids
+        )
     return response
 
 

@@ -4,8 +4,8 @@ Types are strict (``"5"`` is not an integer, ``1`` is not a boolean), so a wrong
 400 rather than a silent coercion. Unknown fields are accepted and ignored: the OpenAI SDK
 and LangChain send fields a given server does not know (``user``, ``store``,
 ``parallel_tool_calls``, ``service_tier`` ...), and refusing them would break those clients.
-The names of ignored fields are logged. Fields we know but cannot honour (a JSON schema
-``response_format``, image inputs) are refused with a 400 that says so, never dropped.
+The names of ignored fields are logged. Fields we know but cannot honour (image inputs)
+are refused with a 400 that says so, never dropped.
 """
 
 from __future__ import annotations
@@ -99,6 +99,14 @@ class SamplingFields(APIModel):
     )
     return_token_ids: bool | None = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's: one of json, regex, choice, grammar, json_object"
+    )
     kv_transfer_params: dict[str, Any] | None = Field(
         default=None,
         description="P/D handoff: {do_remote_decode: true} on a prefill engine; the prefill's "
@@ -118,9 +126,9 @@ class ChatCompletionRequest(SamplingFields):
     enable_thinking: bool | None = None
     do_preprocess: bool | None = True
     add_generation_prompt: bool | None = True
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     reasoning_effort: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 

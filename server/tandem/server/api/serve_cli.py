@@ -20,7 +20,10 @@ import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
 
+from .auth import add_credential_arguments, credentials_from_args
+from .reasoning import PARSERS as REASONING_PARSERS
 from .state import ROLES, ServerSettings
+from .tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from .app import ProxyRegistration
@@ -44,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none if unset)",
+        help="a client key: require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; "
+        "prefer the environment or --api-key-file: arguments are visible in ps)",
     )
+    add_credential_arguments(parser, "TANDEM_API_KEY")
     parser.add_argument(
         "--role", choices=ROLES, default="both", help="this engine's part in P/D disaggregation"
     )
@@ -77,12 +82,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-port", type=int, default=0, help="KV transport port (0: any free port)"
     )
     parser.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a KV pull waits for each answer from a prefill engine before failing",
+    )
+    parser.add_argument(
         "--proxy-url", default=None, help="register with this Tandem proxy on start-up"
     )
     parser.add_argument(
         "--proxy-api-key",
         default=None,
-        help="the proxy's API key for registering (default: $TANDEM_PROXY_API_KEY)",
+        help="the key for registering with the proxy (default: $TANDEM_PROXY_API_KEY, else the "
+        "internal credential)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="how tool calls are written (default: from the chat template's family)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> into reasoning_content",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -113,6 +137,12 @@ def run(args: argparse.Namespace) -> int:
         args, model_dir
     )  # validates engine flags before anything loads
     settings = settings_from_args(args, model_dir, default_name)
+    if settings.role != "both" and not settings.credentials.open and not settings.internal_api_key:
+        log.warning(
+            "role %s with keys but no internal credential: kv_transfer_params will be refused "
+            "(set $TANDEM_INTERNAL_API_KEY on the proxy and every engine; docs/security.md)",
+            settings.role,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
 
@@ -132,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         on_engine_failure=on_failure,
         kv_transfer_host=_transport_host(args),
         kv_transfer_port=args.kv_transfer_port,
-        registration=_registration(args),
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        registration=_registration(args, settings),
     )
     uv_config = uvicorn.Config(
         app,
@@ -158,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _registration(args: argparse.Namespace) -> ProxyRegistration | None:
+def _registration(args: argparse.Namespace, settings: ServerSettings) -> ProxyRegistration | None:
     from .app import ProxyRegistration
 
     if not args.proxy_url:
@@ -167,7 +198,7 @@ def _registration(args: argparse.Namespace) -> ProxyRegistration | None:
     return ProxyRegistration(
         args.proxy_url,
         f"http://{host}:{args.port}",
-        args.proxy_api_key or os.environ.get("TANDEM_PROXY_API_KEY"),
+        args.proxy_api_key or os.environ.get("TANDEM_PROXY_API_KEY") or settings.internal_api_key,
     )
 
 
@@ -190,16 +221,24 @@ def settings_from_args(
     default_name: str,
     environ: dict[str, str] | None = None,
 ) -> ServerSettings:
-    """Server settings from the flags; the API key falls back to ``$TANDEM_API_KEY``."""
+    """Server settings from the flags; each key falls back to its environment variable
+    (``docs/security.md``)."""
     env = os.environ if environ is None else environ
+    creds = credentials_from_args(args, env, "TANDEM_API_KEY")
+    api_key = args.api_key or env.get("TANDEM_API_KEY") or None
     return ServerSettings(
         model_dir=model_dir,
         served_model_name=args.served_model_name or default_name,
-        api_key=args.api_key or env.get("TANDEM_API_KEY") or None,
+        api_key=api_key,
+        extra_api_keys=creds.client_keys - {api_key},
+        internal_api_key=creds.internal_key,
+        admin_api_key=creds.admin_key,
         role=args.role,
         max_waiting_requests=args.max_waiting_requests,
         session_ttl=args.session_ttl,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

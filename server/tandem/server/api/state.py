@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
+from .auth import Credentials
 from .chat_history import ChatHistories
 from .engine_loop import READY, AsyncEngine
 from .errors import APIError
@@ -28,9 +29,16 @@ class ServerSettings:
     served_model_name: str
     api_key: str | None = None
     role: str = "both"
+    # More client keys (a key file); the internal credential (proxy <-> engines, P/D) and
+    # the admin key. See docs/security.md.
+    extra_api_keys: frozenset[str] = frozenset()
+    internal_api_key: str | None = None
+    admin_api_key: str | None = None
     max_waiting_requests: int | None = 256
     session_ttl: float | None = 600.0
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # None: chosen by the chat template's family
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -39,6 +47,12 @@ class ServerSettings:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.session_ttl is not None and self.session_ttl <= 0:
             raise ValueError("session_ttl must be > 0")
+        self.credentials  # noqa: B018 - validates the keys (distinct, non-empty)
+
+    @property
+    def credentials(self) -> Credentials:
+        clients = set(self.extra_api_keys) | ({self.api_key} if self.api_key else set())
+        return Credentials(frozenset(clients), self.internal_api_key, self.admin_api_key)
 
 
 @dataclass

@@ -7,10 +7,16 @@ header and then one message per layer, ``[2, n, block_size, kv_heads, head_dim]`
 sent without a copy from a reused staging buffer (pinned when the cache is on a GPU): the
 server gathers layer i+1 while layer i is on the wire, and the client scatters each layer
 into its blocks as it arrives, so the gather, the transfer and the scatter overlap.
+
+With a transport key (derived from the internal credential, ``trust.py``) every request
+carries a nonce and a MAC and every answer's first message a MAC bound to that nonce: the
+server answers only peers holding the secret, and the client reads only from such a server.
+A silent or dead peer costs a client ``timeout_s`` (a few seconds) per message, no more.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 from collections.abc import Callable
@@ -21,9 +27,10 @@ import zmq
 
 from tandem.server.engine.kv_cache import KVCache
 
+from . import trust
 from .kv_transfer import KVLayout
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = 5.0
 
 
 class TransportError(RuntimeError):
@@ -49,8 +56,10 @@ class KVTransportServer:
         host: str = "127.0.0.1",
         port: int = 0,
         layout: KVLayout | None = None,
+        key: bytes | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.key = key
         self.lookup_lease = lookup_lease
         self.on_release = on_release
         self.layout = layout or layout_of(kv_cache)
@@ -89,13 +98,24 @@ class KVTransportServer:
             ident, kind, *rest = self._sock.recv_multipart()
             try:
                 body = json.loads(rest[0]) if rest else {}
-                if kind == b"PULL" and (refusal := self._refusal(body)) is None:
-                    self._send_blocks(ident, [int(b) for b in body["block_ids"]])
+                if self.key is not None and not trust.request_authentic(self.key, kind, body):
+                    reply = [b"ERR", b"unauthenticated: this transport serves trusted peers only"]
+                elif kind == b"PULL" and (refusal := self._refusal(body)) is None:
+                    self._send_blocks(ident, [int(b) for b in body["block_ids"]], body)
                     continue
-                reply = self._handle(kind, body) if kind != b"PULL" else [b"ERR", refusal.encode()]
+                elif kind == b"PULL":
+                    reply = [b"ERR", refusal.encode()]
+                else:
+                    reply = self._sealed(self._handle(kind, body), body)
             except Exception as exc:  # noqa: BLE001 - reported to the peer, the server goes on
                 reply = [b"ERR", f"{type(exc).__name__}: {exc}".encode()]
             self._sock.send_multipart([ident, *reply])
+
+    def _sealed(self, reply: list[bytes], body: dict[str, Any]) -> list[bytes]:
+        """An OK answer with its MAC appended, when this transport is keyed."""
+        if self.key is None or reply[0] != b"OK":
+            return reply
+        return [*reply, trust.reply_mac(self.key, str(body["nonce"]), reply[1])]
 
     def _handle(self, kind: bytes, body: dict[str, Any]) -> list[bytes]:
         if kind == b"INFO":
@@ -112,7 +132,7 @@ class KVTransportServer:
             return "asked for blocks outside the lease"
         return None
 
-    def _send_blocks(self, ident: bytes, block_ids: list[int]) -> None:
+    def _send_blocks(self, ident: bytes, block_ids: list[int], body: dict[str, Any]) -> None:
         data = self.kv_cache.data  # [L, 2, blocks, bs, H, D]
         per_layer = [2, len(block_ids), *data.shape[3:]]
         layer_numel = 2 * len(block_ids) * data[0, 0, 0].numel()
@@ -134,7 +154,9 @@ class KVTransportServer:
             "shape": per_layer,
             "nbytes": total * data.element_size(),
         }
-        self._sock.send_multipart([ident, b"OK", json.dumps(header).encode()])
+        self._sock.send_multipart(
+            [ident, *self._sealed([b"OK", json.dumps(header).encode()], body)]
+        )
         for layer in range(data.shape[0]):
             out = self._staging[layer * layer_numel : (layer + 1) * layer_numel].view(per_layer)
             if data.device.type == "cpu":
@@ -149,12 +171,25 @@ class KVTransportServer:
 
 
 class KVTransportClient:
-    """One connection to one prefill engine; safe to share between threads (calls serialise)."""
+    """One connection to one prefill engine; safe to share between threads (calls serialise).
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    ``context``: a shared ZMQ context (the puller's), so peers cost a socket each, not an I/O
+    thread each; without one the client owns a private context.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        key: bytes | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
         self.address = address
         self.timeout_ms = int(timeout_s * 1000)
-        self._ctx = zmq.Context()
+        self.key = key
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
@@ -176,11 +211,22 @@ class KVTransportClient:
 
     def _request(self, kind: bytes, body: dict[str, Any]) -> list[bytes]:
         """Send one request and take the first reply message; an ``ERR`` becomes a TransportError."""
+        if self.key is not None:
+            body = {**body, "nonce": trust.new_nonce()}
+            body["mac"] = trust.request_mac(self.key, kind, body)
         self._sock.send_multipart([kind, json.dumps(body).encode()])
         frames = self._recv()
         if frames[0] != b"OK":
             detail = frames[1].decode(errors="replace") if len(frames) > 1 else ""
             raise TransportError(f"{self.address} refused {kind.decode()}: {detail}")
+        if self.key is not None and (
+            len(frames) < 3
+            or not hmac.compare_digest(
+                frames[2], trust.reply_mac(self.key, body["nonce"], frames[1])
+            )
+        ):
+            self._reset()  # whatever follows comes from a peer we do not trust
+            raise TransportError(f"{self.address} is not a trusted peer (unauthenticated answer)")
         return frames
 
     def layout(self) -> KVLayout:
@@ -221,6 +267,14 @@ class KVTransportClient:
         with self._lock:
             self._request(b"RELEASE", {"lease_id": lease_id})
 
-    def close(self) -> None:
-        self._sock.close()
-        self._ctx.term()
+    def close(self, wait: bool = True) -> None:
+        """Close the socket, never under a call in flight on another thread: with ``wait``
+        False a busy socket is left to the process's exit."""
+        if not self._lock.acquire(timeout=-1 if wait else 0):
+            return
+        try:
+            self._sock.close()
+        finally:
+            self._lock.release()
+        if self._own_ctx:
+            self._ctx.term()

@@ -11,6 +11,7 @@ import json
 import random
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
 from .stopping import find_stop_string, held_back, stop_by_token
+from .structured import GrammarCache
 from .worker import Worker
 
 
@@ -77,6 +79,11 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv)
+        self.grammars = GrammarCache(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
+        # groups whose grammar is still compiling, with their P/D handle (admitted when done)
+        self._compiling: list[tuple[list[Request], RemotePrefill | None, Future]] = []
         self.engine_id = uuid.uuid4().hex[:12]
         self.kv_transfer_address: str | None = None  # set by the host once its transport listens
         self.leases = LeaseStore(self.kv.pool, config.kv_lease_seconds)
@@ -158,6 +165,9 @@ class LLMEngine:
             )
         if remote_decode:
             params = params.clone(max_tokens=1, min_tokens=0)
+        grammar = None if params.structured is None else self.grammars.submit(params.structured)
+        if grammar is not None and grammar.done():
+            grammar.result()  # a grammar that failed to compile is this request's 400
         prompt_ids = self.tokenize(prompt)
         max_tokens = self._check_lengths(prompt_ids, params)
         if remote is not None and remote.num_tokens != len(prompt_ids):
@@ -193,12 +203,44 @@ class LLMEngine:
             self.sessions.attach(session_id, group[0])
         self._groups[request_id] = group
         group[0].remote_decode = remote_decode
+        if grammar is not None and not grammar.done():
+            self._compiling.append((group, remote, grammar))
+        else:
+            self._enqueue(group, remote, grammar)
+        self._num_prompt_tokens += len(prompt_ids)
+        return prompt_ids
+
+    def _enqueue(
+        self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
+    ) -> None:
+        """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
+        if grammar is not None:
+            compiled = grammar.result()
+            for req in group:
+                req.grammar = self.grammars.sequence(compiled, req.params.structured)
         if remote is not None:
             self._start_remote_prefill(group[0], remote)
         else:
             self.scheduler.add(group[0])
-        self._num_prompt_tokens += len(prompt_ids)
-        return prompt_ids
+
+    def _admit_compiled(self) -> None:
+        """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
+        still = []
+        for group, remote, grammar in self._compiling:
+            if not grammar.done():
+                still.append((group, remote, grammar))
+            elif grammar.exception() is not None:
+                group[0].error = str(grammar.exception())
+                for req in group:
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    req.finished_time = time.monotonic()
+                if group[0].session_id is not None:
+                    self.sessions.detach(group[0].session_id, group[0], keep_blocks=False)
+                if (out := self._group_output(group[0].group_id)) is not None:
+                    self._ready_outputs.append(out)
+            else:
+                self._enqueue(group, remote, grammar)
+        self._compiling = still
 
     def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
@@ -241,6 +283,7 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
+        self._compiling = [c for c in self._compiling if c[0] is not group]
         for req in group:
             if req.status.finished:
                 continue
@@ -256,12 +299,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return len(self.scheduler) > 0 or bool(self._remote_waiting) or bool(self._ready_outputs)
+        return (
+            len(self.scheduler) > 0
+            or bool(self._remote_waiting)
+            or bool(self._ready_outputs)
+            or bool(self._compiling)
+        )
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.leases.sweep()
         self._admit_remote_prefills()
+        self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
@@ -284,6 +333,8 @@ class LLMEngine:
         if req.pending_siblings:
             self._fork_siblings(req)
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.advance(req.output_token_ids)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if logprob is not None:
@@ -394,6 +445,8 @@ class LLMEngine:
         req.remote_prefill = remote
         token = remote.first_token_ids[0]
         req.output_token_ids.append(token)
+        if req.grammar is not None:  # the prefill engine sampled it under the same grammar
+            req.grammar.advance(req.output_token_ids)
         req.first_token_time = time.monotonic()
         if req.detokenizer is not None:
             req.detokenizer.add([token])
@@ -509,6 +562,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""
         self.worker.close()
+        self.grammars.close()
 
     # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -30,7 +33,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """The chosen token's log-probability and the top alternatives, from the raw model distribution."""
+    """The chosen token's log-probability and the top alternatives (see sampler.py for which distribution)."""
 
     token_id: int
     logprob: float
@@ -55,6 +58,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: SequenceGrammar | None = None  # the output's matcher (structured outputs)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

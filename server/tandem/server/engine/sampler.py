@@ -3,7 +3,9 @@
 Order, as in vLLM: penalties, logit bias, min_tokens masking, then greedy argmax or
 temperature, top-k, top-p, min-p and a draw. Each request draws with its own
 ``torch.Generator``, so a seeded request samples the same tokens whatever its batch-mates.
-Logprobs come from the raw model distribution (before any processing), as vLLM reports them.
+Logprobs come from the raw model distribution (before any processing), as vLLM reports them,
+except that a sequence with a grammar is masked first: its logprobs are those of the masked
+distribution (tokens the grammar forbids have -inf), renormalised over what it allows.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request, TokenLogprob
+from .structured import apply_grammar_masks
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,8 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: [len(requests), vocab], float32."""
+    """logits: [len(requests), vocab], float32; rows with a grammar are masked in place."""
+    apply_grammar_masks(logits, [r.grammar for r in requests])
     raw_logprobs = _raw_logprobs(logits, requests)
     processed = _process(logits, requests)
     greedy = [i for i, r in enumerate(requests) if r.params.greedy]

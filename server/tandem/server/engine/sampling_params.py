@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .structured import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -36,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # the grammar the output must match (structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

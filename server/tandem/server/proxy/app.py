@@ -23,7 +23,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.server.api.auth import APIKeyMiddleware
+from tandem.server.api.auth import (
+    PROXY_ADMIN_PATHS,
+    PROXY_ADMIN_PREFIXES,
+    AuthMiddleware,
+    Credentials,
+)
 
 from .pd_flow import FlowConfig, PDFlow, ProxyError, error_body
 from .registry import (
@@ -43,9 +48,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass
 class ProxySettings:
-    """Everything ``tandem proxy`` configures; the app factory's one argument."""
+    """Everything ``tandem proxy`` configures; the app factory's one argument.
+
+    ``api_key`` is one client key; ``credentials`` the full set (client keys, internal,
+    admin; ``docs/security.md``), to which ``api_key`` is added."""
 
     api_key: str | None = None
+    credentials: Credentials = field(default_factory=Credentials)
     flow: FlowConfig = field(default_factory=FlowConfig)
     static_nodes: list[tuple[str, str]] = field(default_factory=list)  # (url, role)
     health_interval: float = 2.0
@@ -117,9 +126,22 @@ def build_app(settings: ProxySettings) -> FastAPI:
     _add_openai_routes(app)
     _add_node_routes(app)
     _add_ops_routes(app)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    credentials = _credentials(settings)
+    if not credentials.open:
+        app.add_middleware(
+            AuthMiddleware,
+            credentials=credentials,
+            admin_paths=PROXY_ADMIN_PATHS,
+            admin_prefixes=PROXY_ADMIN_PREFIXES,
+        )
     return app
+
+
+def _credentials(settings: ProxySettings) -> Credentials:
+    c = settings.credentials
+    if not settings.api_key:
+        return c
+    return Credentials(c.client_keys | {settings.api_key}, c.internal_key, c.admin_key)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -169,16 +191,29 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+def _client_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A client's generation request: the P/D handoff field is the proxy's own, never theirs."""
+    if "kv_transfer_params" in body:
+        raise ProxyError(
+            403,
+            "kv_transfer_params belongs to the internal P/D plane and cannot be sent by clients",
+            type="invalid_request_error",
+            code="kv_transfer_forbidden",
+            param="kv_transfer_params",
+        )
+    return body
+
+
 def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
-        body = await _json_body(request)
+        body = _client_body(await _json_body(request))
         return await get_state(request).flow.handle("chat", body, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _json_body(request)
+        body = _client_body(await _json_body(request))
         return await get_state(request).flow.handle("completions", body, request)
 
     @app.delete("/v1/sessions/{session_id}")
@@ -270,8 +305,12 @@ def _add_node_routes(app: FastAPI) -> None:
     async def add_node(request: Request) -> dict[str, Any]:
         """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
         state = get_state(request)
-        url, role, models = node_fields(await _json_body(request))
-        node = state.registry.add(url, role, models, source="registered")
+        body = await _json_body(request)
+        url, role, models = node_fields(body)
+        layout = (body.get("status") or {}).get("kv_layout")  # Tandem's addition, optional
+        node = state.registry.add(
+            url, role, models, source="registered", kv_layout=str(layout) if layout else None
+        )
         await state.poller.probe(url)
         return {
             "url": node.url,
@@ -293,13 +332,23 @@ def _add_node_routes(app: FastAPI) -> None:
         return {n.url: n.status() for n in get_state(request).registry.nodes()}
 
     async def terminate(state: ProxyState, url: str) -> dict[str, Any]:
+        """Only a registered engine, and only its status is reported: the proxy fetches no
+        address a caller names and echoes nothing it read (no SSRF)."""
         node = state.registry.remove(url)
+        if node is None:
+            raise ProxyError(
+                404,
+                f"{url} is not a registered engine",
+                type="invalid_request_error",
+                code="node_not_found",
+                param="url",
+            )
         try:
             r = await state.client.get(url + "/terminate", headers=state.flow.headers, timeout=10.0)
-            ok, detail = r.status_code < 400, r.text[:200]
+            ok, detail = r.status_code < 400, f"HTTP {r.status_code}"
         except httpx.HTTPError as exc:
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        return {"url": url, "was_registered": node is not None, "terminated": ok, "detail": detail}
+            ok, detail = False, type(exc).__name__
+        return {"url": url, "was_registered": True, "terminated": ok, "detail": detail}
 
     @app.post("/nodes/terminate")
     async def terminate_node(request: Request) -> dict[str, Any]:
@@ -461,6 +510,11 @@ class _ProxyCollector(Collector):
                 "tandem_proxy_client_disconnects",
                 "Clients that left before their answer",
                 stats.client_disconnects,
+            ),
+            (
+                "tandem_proxy_unserved_requests",
+                "Requests refused because no engine was running (activates a pool at zero)",
+                stats.unserved,
             ),
         ]:
             yield CounterMetricFamily(name, doc, value=value)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from tandem.server.api.auth import add_credential_arguments, credentials_from_args
+
 from .pd_flow import FlowConfig
 from .routing import POLICIES
 
@@ -16,12 +18,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' from clients (default: $TANDEM_PROXY_API_KEY)",
+        help="a client key: require 'Authorization: Bearer KEY' from clients (default: "
+        "$TANDEM_PROXY_API_KEY; prefer the environment or --api-key-file: arguments show in ps)",
     )
+    add_credential_arguments(parser, "TANDEM_PROXY_API_KEY")
     parser.add_argument(
         "--engine-api-key",
         default=None,
-        help="the key the engines require (default: $TANDEM_ENGINE_API_KEY; none if unset)",
+        help="the key the engines require, when it is not the internal credential (default: "
+        "$TANDEM_ENGINE_API_KEY, else the internal credential)",
     )
     parser.add_argument(
         "--node",
@@ -107,10 +112,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tandem.proxy").error("bad --node: %s", exc)
         return 2
+    credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
     flow = FlowConfig(
         disagg_threshold=args.disagg_threshold,
         policy=args.policy,
-        engine_api_key=args.engine_api_key or os.environ.get("TANDEM_ENGINE_API_KEY") or None,
+        engine_api_key=args.engine_api_key
+        or os.environ.get("TANDEM_ENGINE_API_KEY")
+        or credentials.internal_key,
         max_attempts=max(1, args.max_attempts),
         request_timeout=args.request_timeout,
     )
@@ -120,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         else None
     )
     settings = ProxySettings(
-        api_key=args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None,
+        credentials=credentials,
         flow=flow,
         static_nodes=nodes,
         health_interval=args.health_interval,

@@ -22,12 +22,15 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def node_body(engine_url: str, role: str | int, models: list[str]) -> dict:
-    """LMDeploy's ``/nodes/add`` body: ``{"url", "status": {"models", "role"}}``."""
-    return {
-        "url": engine_url.rstrip("/"),
-        "status": {"models": list(models), "role": ROLE_IDS[parse_role(role)]},
-    }
+def node_body(
+    engine_url: str, role: str | int, models: list[str], kv_layout: str | None = None
+) -> dict:
+    """LMDeploy's ``/nodes/add`` body: ``{"url", "status": {"models", "role"}}``, plus
+    Tandem's optional ``kv_layout`` (the proxy pairs prefill and decode of one layout)."""
+    status: dict = {"models": list(models), "role": ROLE_IDS[parse_role(role)]}
+    if kv_layout:
+        status["kv_layout"] = kv_layout
+    return {"url": engine_url.rstrip("/"), "status": status}
 
 
 async def register_engine(
@@ -38,10 +41,11 @@ async def register_engine(
     api_key: str | None = None,
     attempts: int = 30,
     delay: float = 1.0,
+    kv_layout: str | None = None,
 ) -> None:
     """Add this engine to the proxy, retrying while the proxy is not up yet (engines and the
     proxy start together under ``tandem up`` and in a cluster). Raises after ``attempts``."""
-    body = node_body(engine_url, role, models)
+    body = node_body(engine_url, role, models, kv_layout)
     last: Exception | None = None
     async with httpx.AsyncClient(timeout=10.0) as client:
         for i in range(max(1, attempts)):

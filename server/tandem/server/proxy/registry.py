@@ -74,6 +74,9 @@ class Node:
     role: str
     models: list[str] = field(default_factory=list)
     source: str = "registered"  # "static" | "registered" | "kubernetes"
+    kv_layout: str | None = None
+    """Hash of the engine's KV-layout settings (Kubernetes discovery reads it from the pod):
+    a prefill engine hands KV blocks only to a decode engine of the same layout."""
     healthy: bool = False
     ever_healthy: bool = False
     failures: int = 0  # consecutive failures to answer (health polls or requests)
@@ -142,6 +145,7 @@ class Registry:
         models: list[str] | None = None,
         *,
         source: str = "registered",
+        kv_layout: str | None = None,
     ) -> Node:
         """Add or update a node; re-adding keeps its counters (an engine re-registering after
         a proxy restart or a discovery resync is the same engine)."""
@@ -165,6 +169,7 @@ class Registry:
                 node.models = list(models)
             if source == "static" or node.source != "static":
                 node.source = source
+        node.kv_layout = kv_layout
         return node
 
     def remove(self, url: str) -> Node | None:

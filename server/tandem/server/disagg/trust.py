@@ -1,0 +1,89 @@
+"""Authenticating the P/D plane with the internal credential (``docs/security.md``).
+
+Two HMAC-SHA256 keys are derived from the internal secret, one per use:
+
+- the **handle** key signs what a prefill engine hands out (engine id, lease id, block ids,
+  token count, transport address, first token, and a digest of the prompt's token ids). A
+  decode engine pulls only for a handle whose signature checks against its own prompt, so
+  nobody without the secret can name an address to pull from, and blocks computed for
+  another prompt can never enter its prefix cache.
+- the **transport** key authenticates each transport request (its kind, body and a fresh
+  nonce) and the answer's header (bound to that nonce), so a prefill engine serves only
+  peers that hold the secret and a decode engine reads only from one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+from typing import Any
+
+SIGNATURE_FIELD = "remote_signature"
+
+
+def derive_key(secret: str, purpose: str) -> bytes:
+    return hmac.new(secret.encode(), f"tandem/{purpose}".encode(), hashlib.sha256).digest()
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).hexdigest()
+
+
+def _handle_message(kv: dict[str, Any], prompt_ids: list[int]) -> bytes:
+    fields = [
+        str(kv.get("remote_engine_id")),
+        str(kv.get("remote_lease_id")),
+        [int(b) for b in kv.get("remote_block_ids") or []],
+        int(kv.get("remote_num_tokens") or 0),
+        str(kv.get("remote_addr")),
+        [int(t) for t in kv.get("first_token_ids") or []],
+        prompt_digest(prompt_ids),
+    ]
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def sign_handle(key: bytes, kv: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """The prefill side's handle with its signature added."""
+    mac = hmac.new(key, _handle_message(kv, prompt_ids), hashlib.sha256).hexdigest()
+    return {**kv, SIGNATURE_FIELD: mac}
+
+
+def handle_problem(key: bytes, kv: dict[str, Any], prompt_ids: list[int]) -> str | None:
+    """Why a decode engine must not pull for this handle, or None when it is genuine."""
+    given = kv.get(SIGNATURE_FIELD)
+    if not isinstance(given, str):
+        return "the remote prefill handle is not signed"
+    try:
+        expected = hmac.new(key, _handle_message(kv, prompt_ids), hashlib.sha256).hexdigest()
+    except (TypeError, ValueError):
+        return "the remote prefill handle is malformed"
+    if not hmac.compare_digest(given, expected):
+        return "the remote prefill handle's signature does not match this prompt"
+    return None
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def request_mac(key: bytes, kind: bytes, body: dict[str, Any]) -> str:
+    """A transport request's MAC over its kind and body (the body holds the nonce)."""
+    payload = json.dumps({k: v for k, v in body.items() if k != "mac"}, sort_keys=True)
+    return hmac.new(key, kind + b"\0" + payload.encode(), hashlib.sha256).hexdigest()
+
+
+def reply_mac(key: bytes, nonce: str, payload: bytes) -> bytes:
+    """The answer's MAC, bound to the request's nonce so it cannot be replayed to another."""
+    return hmac.new(key, b"reply\0" + nonce.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+
+def request_authentic(key: bytes, kind: bytes, body: dict[str, Any]) -> bool:
+    given = body.get("mac")
+    return (
+        isinstance(given, str)
+        and isinstance(body.get("nonce"), str)
+        and hmac.compare_digest(given, request_mac(key, kind, body))
+    )

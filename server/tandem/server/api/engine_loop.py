@@ -139,6 +139,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.state = LOADING
         self.stats = EngineStats()  # as of the loop's last iteration; read by /health, /metrics
+        self.step_seconds = 0.0  # wall time inside engine.step(): the server overhead's baseline
         self.num_queued_adds = (
             0  # adds submitted but not yet applied; only the event loop writes it
         )
@@ -374,7 +375,9 @@ class AsyncEngine:
 
     def _step(self, engine: LLMEngine) -> None:
         try:
+            started = time.perf_counter()
             outputs = engine.step()
+            self.step_seconds += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
             log.exception("engine step failed; aborting the requests in flight")
             ids = list(self._tracked)

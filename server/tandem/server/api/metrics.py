@@ -119,6 +119,11 @@ class _SnapshotCollector(Collector):
             ("is_sleeping", "1 while the engine has released its memory", int(s.is_sleeping)),
             ("engine_ready", "1 once the engine has loaded and can serve", int(e.state == "ready")),
             ("num_preemptions", "Preemptions since start", s.num_preemptions),
+            (
+                "engine_step_seconds",
+                "Seconds spent inside engine steps since start (model, sampler, detokenizer)",
+                e.step_seconds,
+            ),
         ]:
             g = GaugeMetricFamily("tandem:" + name, doc, labels=["model_name"])
             g.add_metric([self._model], value)

@@ -187,17 +187,12 @@ def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
     import re
 
     from tandem.operator.planning import queries
+    from tandem.server.api.engine_loop import AsyncEngine
     from tandem.server.api.metrics import ServerMetrics
     from tandem.server.proxy.app import ProxySettings, _ProxyCollector, build_app
 
-    class Snap:  # the engine snapshot's fields the collector reads
-        num_waiting = num_running = num_sessions = total_blocks = free_blocks = 0
-        num_preemptions = block_size = 0
-        kv_utilization = prefix_hit_rate = 0.0
-        is_sleeping = False
-        state = "ready"
-
-    engine = ServerMetrics("m", lambda: Snap(), lambda: 0)
+    loop = AsyncEngine(lambda: None)  # never started: its counters are the collector's input
+    engine = ServerMetrics("m", lambda: loop)
     engine.ttft.observe(0.1)
     engine.itl.observe(0.01)
     from prometheus_client import CollectorRegistry, generate_latest

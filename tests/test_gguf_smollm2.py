@@ -6,6 +6,7 @@ The model is fetched once into the user's cache (``default_model_path``, the sam
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,11 +18,13 @@ import openai
 import pytest
 import torch
 from gguf import GGUFReader
+from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.server.engine import LLM, SamplingParams
 from tandem.server.engine.default_model import NAME, default_model_path
 
+from .api_helpers import ENGINE_FLAGS, ServerProcess
 from .up_helpers import start_up
 
 PROMPTS = [
@@ -122,3 +125,68 @@ def test_tandem_up_with_no_model_answers_in_real_language(
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+class Capital(BaseModel):
+    country: str = Field(max_length=20)
+    capital: str = Field(max_length=20)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_agents_get_structured_output_and_tool_calls_from_the_default_model(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """What agent frameworks need, on the real model the project ships: the client's
+    ``parse`` with a pydantic model, and a tool loop (required call -> result -> answer)."""
+    srv = ServerProcess(
+        str(smollm2), *ENGINE_FLAGS, served_model_name=NAME, log_path=tmp_path / "serve.log"
+    )
+    try:
+        srv.wait_ready(timeout=400)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        parsed = client.beta.chat.completions.parse(
+            model=NAME, messages=ask, response_format=Capital, max_tokens=60, temperature=0
+        )
+        assert parsed.choices[0].finish_reason == "stop"
+        answer = parsed.choices[0].message.parsed
+        assert isinstance(answer, Capital) and "Paris" in answer.capital
+        weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=weather,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=60,
+            temperature=0,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        history = weather + [
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "18C and sunny"},
+        ]
+        final = client.chat.completions.create(
+            model=NAME, messages=history, tools=[WEATHER_TOOL], max_tokens=40, temperature=0
+        )
+        assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert final.usage.prompt_tokens > r.usage.prompt_tokens  # the result went in
+    finally:
+        srv.stop()

@@ -17,7 +17,7 @@ import threading
 import openai
 import pytest
 
-from tandem.server.proxy.registration import deregister_engine, register_engine
+from tandem.server.api.registration import deregister_engine, register_engine
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
 from .test_proxy_helpers import PROXY_ADMIN_KEY, PROXY_KEY, ProxyProcess, stop_all

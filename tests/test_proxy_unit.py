@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from tandem.server.api.auth import Credentials
+from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
 from tandem.server.proxy.pd_flow import _finished_by_prefill, _stream_of, prefill_request
-from tandem.server.proxy.registration import node_body
 from tandem.server.proxy.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,

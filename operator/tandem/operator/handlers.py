@@ -29,8 +29,11 @@ from typing import Any
 
 import kopf
 
+from .autoscaling import KEDA_API_VERSION, scaled_object_health
 from .kube import Kube, KubeError
 from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
+from .planner import PlannerState
+from .planning import run_planner
 from .render import (
     MANAGER,
     ROLE_LABEL,
@@ -43,6 +46,7 @@ from .render import (
 )
 from .spec import GPU_RESOURCE, GROUP, PLURAL, VERSION, InferenceService, load_inference_service
 from .status import (
+    AutoscalerSummary,
     Children,
     Facts,
     as_patch,
@@ -62,7 +66,12 @@ from .status import (
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 KOPF_PREFIX = "kopf.tandem.dev"
 # Kinds that a spec change can make obsolete; the rest always exist for every spec.
-PRUNABLE = (("autoscaling/v2", "HorizontalPodAutoscaler"), ("batch/v1", "Job"))
+PRUNABLE = (
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("batch/v1", "Job"),
+    (KEDA_API_VERSION, "ScaledObject"),
+)
+PLANNER_INTERVAL_SECONDS = 15.0
 
 log = logging.getLogger("tandem.operator")
 
@@ -92,6 +101,8 @@ class OperatorState:
     posted: dict[Key, dict[str, tuple[str, str]]] = field(default_factory=dict)
     """(status, reason) per condition type last posted as an Event: no repeats on resync."""
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    planner: dict[Key, PlannerState] = field(default_factory=dict)
+    """The SLO planner's state (its stabilisation window) per InferenceService."""
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -101,7 +112,13 @@ class OperatorState:
         return self.kube
 
     def forget(self, key: Key) -> None:
-        for table in (self.applied_generation, self.apply_errors, self.posted, self.locks):
+        for table in (
+            self.applied_generation,
+            self.apply_errors,
+            self.posted,
+            self.locks,
+            self.planner,
+        ):
             table.pop(key, None)
 
 
@@ -213,6 +230,7 @@ INDEXES = (
     "child_jobs",
     "child_claims",
     "child_autoscalers",
+    "child_scaledobjects",
     "node_gpus",
 )
 
@@ -303,6 +321,16 @@ def child_autoscalers(
     return {(namespace, owner): summarize_autoscaler(dict(body), role)} if owner and role else {}
 
 
+@kopf.index("keda.sh", "v1alpha1", "scaledobjects", id="child_scaledobjects", labels=MANAGED)
+def child_scaledobjects(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    owner, role = _owner(labels), labels.get(ROLE_LABEL)
+    if not (owner and role):
+        return {}
+    return {(namespace, owner): AutoscalerSummary(role, *scaled_object_health(dict(body)))}
+
+
 @kopf.index("", "v1", "nodes", id="node_gpus")
 def node_gpus(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Allocatable GPUs per node: a pod asking for more than the largest is Unschedulable."""
@@ -317,7 +345,10 @@ def _children(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) -> C
         pods=list(indexes["child_pods"].get(key, [])),
         jobs=[j for j in indexes["child_jobs"].get(key, []) if j.name == job_name],
         claims=list(indexes["child_claims"].get(key, [])),
-        autoscalers=list(indexes["child_autoscalers"].get(key, [])),
+        autoscalers=[
+            *indexes["child_autoscalers"].get(key, []),
+            *indexes["child_scaledobjects"].get(key, []),
+        ],
     )
 
 
@@ -433,7 +464,9 @@ def _apply_all(
         return
     wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
     for api_version, kind in PRUNABLE:
-        for existing in kube.list(api_version, kind, namespace, f"{ENGINE_SELECTOR_LABEL}={name}"):
+        selector = f"{ENGINE_SELECTOR_LABEL}={name}"
+        # ok_missing: KEDA's CRDs may not be installed
+        for existing in kube.list(api_version, kind, namespace, selector, ok_missing=True):
             if (kind, existing["metadata"]["name"]) not in wanted:
                 kube.delete(
                     {"apiVersion": api_version, "kind": kind, "metadata": existing["metadata"]}
@@ -480,6 +513,31 @@ async def resync(
             pass  # recorded in the status; the next pass retries
 
 
+@kopf.timer(*ISVC, interval=PLANNER_INTERVAL_SECONDS, when=lambda spec, **_: bool(spec.get("slo")))
+async def plan_pools(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """The Planner backend: size prefill and decode for spec.slo from live metrics."""
+    state: OperatorState = memo.state
+    key = (namespace, name)
+    try:
+        decision = await asyncio.to_thread(
+            run_planner, state.client(), _isvc(body), state.planner.get(key), time.monotonic()
+        )
+    except (KubeError, OSError, KeyError, ValueError) as exc:
+        log.warning("[%s/%s] planner: %s", namespace, name, exc)
+        return
+    state.planner[key] = decision.state
+    log.info(
+        "[%s/%s] planner: %.2f req/s, isl %.0f, osl %.0f -> %d prefill, %d decode",
+        namespace,
+        name,
+        decision.load.rate,
+        decision.load.isl,
+        decision.load.osl,
+        decision.prefill,
+        decision.decode,
+    )
+
+
 @kopf.on.delete(*ISVC, optional=True)
 def deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """No finalizer of its own (optional=True): forget our bookkeeping; the GC does the rest."""
@@ -517,6 +575,7 @@ async def on_child_event(
 @kopf.on.event("batch", "v1", "jobs", labels=MANAGED)
 @kopf.on.event("", "v1", "persistentvolumeclaims", labels=MANAGED)
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=MANAGED)
+@kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=MANAGED)
 async def child_event(
     event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
 ) -> None:

@@ -24,6 +24,7 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
@@ -181,12 +182,14 @@ class Kube:
         self.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
 
     def list(
-        self, api_version: str, kind: str, namespace: str, selector: str
+        self, api_version: str, kind: str, namespace: str, selector: str, ok_missing: bool = False
     ) -> list[dict[str, Any]]:
+        """``ok_missing``: an API the cluster does not serve (a CRD not installed) lists empty."""
         data = self.request(
             "GET",
             collection_path(api_version, kind, namespace),
             query=[("labelSelector", selector)],
+            ok_missing=ok_missing,
         )
         return list((data or {}).get("items") or [])
 

@@ -4,7 +4,7 @@ Every object carries the ``app.kubernetes.io/*`` and ``tandem.dev/*`` labels and
 InferenceService has a uid, a controller owner reference to it, so deleting the
 InferenceService lets the garbage collector remove everything rendered here. Fields that
 another controller owns are left out on purpose: an autoscaled role's Deployment has no
-``replicas`` (the HorizontalPodAutoscaler writes it), so server-side apply never fights it.
+``replicas`` (its HPA, ScaledObject or the planner writes it), so server-side apply never fights it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .autoscaling import autoscaler_objects, scrape_annotations
 from .plan import (
     COMPONENT_LABEL,
     ENGINE_SELECTOR_LABEL,
@@ -337,7 +338,10 @@ def engine_deployment(
                 KV_LAYOUT_LABEL: topology.kv_layout,
             },
             # the proxy's discovery reads the model name from here
-            "annotations": {MODEL_ANNOTATION: topology.served_model_name},
+            "annotations": {
+                MODEL_ANNOTATION: topology.served_model_name,
+                **scrape_annotations(role.port),
+            },
         },
         "spec": pod_spec,
     }
@@ -356,7 +360,7 @@ def engine_deployment(
         "template": template,
     }
     if role.autoscaling is None:
-        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its HPA
+        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -417,31 +421,6 @@ def pod_disruption_budget(isvc: InferenceService, topology: Topology, role: Role
     }
 
 
-def autoscaler(isvc: InferenceService, topology: Topology, role: RolePlan) -> Manifest:
-    assert role.autoscaling is not None
-    a = role.autoscaling
-    name = pool_name(topology, role)
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(isvc, topology, name, "engine", role.role),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicas": a.min_replicas,
-            "maxReplicas": a.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": a.metric},
-                        "target": {"type": "AverageValue", "averageValue": a.target_average_value},
-                    },
-                }
-            ],
-        },
-    }
-
-
 def proxy_objects(
     isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
 ) -> list[Manifest]:
@@ -487,7 +466,10 @@ def proxy_objects(
             "replicas": role.replicas,
             "selector": {"matchLabels": selector_labels(topology, "proxy")},
             "template": {
-                "metadata": {"labels": labels(topology, "proxy", "proxy")},
+                "metadata": {
+                    "labels": labels(topology, "proxy", "proxy"),
+                    "annotations": scrape_annotations(role.port),
+                },
                 "spec": {
                     "serviceAccountName": name,
                     "containers": [container],
@@ -649,8 +631,13 @@ def render(
             continue
         out.append(engine_service(isvc, topology, role))
         out.append(pod_disruption_budget(isvc, topology, role))
-        if role.autoscaling is not None:
-            out.append(autoscaler(isvc, topology, role))
+        out += autoscaler_objects(
+            role.autoscaling,
+            _meta(isvc, topology, pool_name(topology, role), "engine", role.role),
+            pool_name(topology, role),
+            role.role,
+            role.autoscaling.metric if role.autoscaling else "",
+        )
         if options.model_ready or topology.model.kind != "hf":
             out.append(engine_deployment(isvc, topology, role, options))
     return out

@@ -230,11 +230,29 @@ class EngineSpec(_Model):
     )
 
 
-class Autoscaling(_Model):
-    """A HorizontalPodAutoscaler for a role; the operator then never writes that role's replicas."""
+AUTOSCALING_BACKENDS = ("HPA", "KEDA", "Planner")
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
-    min_replicas: int = Field(1, ge=1, description="Fewest replicas")
+
+class Autoscaling(_Model):
+    """Who sets a role's replicas: an HPA, a KEDA ScaledObject, or the operator's SLO planner.
+
+    The operator then never writes that role's replicas in the Deployment it applies.
+    """
+
+    backend: Literal["HPA", "KEDA", "Planner"] = Field(
+        "HPA",
+        description="HPA: a HorizontalPodAutoscaler on a custom metric; KEDA: a ScaledObject "
+        "with a Prometheus trigger on the same metric (and scale to zero); Planner: the "
+        "operator sizes prefill and decode together from spec.slo",
+    )
+    min_replicas: int = Field(
+        1, ge=0, description="Fewest replicas; 0 (KEDA or Planner) scales the pool to zero"
+    )
     max_replicas: int = Field(..., ge=1, description="Most replicas")
+    prometheus_address: str = Field(
+        DEFAULT_PROMETHEUS, description="Prometheus that KEDA's trigger queries (backend KEDA)"
+    )
     metric: str = Field(
         "tandem_num_requests_waiting",
         description="Per-pod custom metric the autoscaler averages: the engine's "
@@ -249,6 +267,30 @@ class Autoscaling(_Model):
             "autoscaling.minReplicas must not exceed maxReplicas",
             lambda a: a.min_replicas <= a.max_replicas,
         ),
+        Rule(
+            "self.minReplicas > 0 || self.backend != 'HPA'",
+            "autoscaling.minReplicas 0 needs backend KEDA or Planner (an HPA cannot scale to zero)",
+            lambda a: a.min_replicas > 0 or a.backend != "HPA",
+            field=".minReplicas",
+        ),
+    )
+
+
+class SloSpec(_Model):
+    """The latency a Disaggregated service promises; the planner sizes both pools to keep it."""
+
+    ttft_ms: float = Field(..., gt=0, description="Time to first token target, milliseconds")
+    itl_ms: float = Field(
+        ..., gt=0, description="Mean inter-token latency target per request, milliseconds"
+    )
+    attainment: float = Field(
+        0.99, ge=0.5, lt=1, description="Fraction of requests that must meet both targets"
+    )
+    profile_config_map: str = Field(
+        ...,
+        min_length=1,
+        description="ConfigMap whose key profile.json holds the engine's performance profile "
+        "(bench/ measures it)",
     )
 
 
@@ -425,6 +467,9 @@ class InferenceServiceSpec(_Model):
         description="Decode pool; in Aggregated mode the pool that serves everything",
     )
     proxy: ProxySpec = Field(default_factory=ProxySpec, description="The proxy and its Service")
+    slo: SloSpec | None = Field(
+        None, description="Latency targets the planner sizes prefill and decode for"
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -433,7 +478,33 @@ class InferenceServiceSpec(_Model):
             lambda s: s.mode != "Aggregated" or s.prefill is None,
             field=".prefill",
         ),
+        Rule(
+            "!has(self.slo) || (self.mode == 'Disaggregated' && has(self.prefill)"
+            " && has(self.prefill.autoscaling) && self.prefill.autoscaling.backend == 'Planner'"
+            " && has(self.decode.autoscaling) && self.decode.autoscaling.backend == 'Planner')",
+            "slo needs mode Disaggregated and prefill.autoscaling and decode.autoscaling with "
+            "backend Planner (their min/max bound the planner)",
+            lambda s: s.slo is None or _planned(s, both=True),
+            field=".slo",
+        ),
+        Rule(
+            "has(self.slo) || ((!has(self.prefill) || !has(self.prefill.autoscaling)"
+            " || self.prefill.autoscaling.backend != 'Planner') && (!has(self.decode.autoscaling)"
+            " || self.decode.autoscaling.backend != 'Planner'))",
+            "autoscaling backend Planner needs spec.slo",
+            lambda s: s.slo is not None or not _planned(s, both=False),
+        ),
     )
+
+
+def _planned(spec: InferenceServiceSpec, both: bool) -> bool:
+    """Whether both (or any) of prefill and decode are autoscaled by the planner."""
+    roles = [spec.prefill, spec.decode] if spec.mode == "Disaggregated" else [spec.decode]
+    flags = [
+        r is not None and r.autoscaling is not None and r.autoscaling.backend == "Planner"
+        for r in roles
+    ]
+    return (all(flags) and len(flags) == 2) if both else any(flags)
 
 
 class Condition(_Model):

@@ -149,10 +149,11 @@ def build_app(settings: ProxySettings) -> FastAPI:
 
 
 def _credentials(settings: ProxySettings) -> Credentials:
+    """The proxy is the clients' front door: with no client key configured, clients need
+    none (the admin and internal planes stay closed)."""
     c = settings.credentials
-    if not settings.api_key:
-        return c
-    return Credentials(c.client_keys | {settings.api_key}, c.internal_key, c.admin_key)
+    clients = c.client_keys | ({settings.api_key} if settings.api_key else set())
+    return Credentials(frozenset(clients), c.internal_key, c.admin_key, keyless_clients=True)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -601,6 +602,11 @@ class _ProxyCollector(Collector):
                 "tandem_proxy_client_disconnects",
                 "Clients that left before their answer",
                 stats.client_disconnects,
+            ),
+            (
+                "tandem_proxy_unserved_requests",
+                "Requests refused because no engine was running (activates a pool at zero)",
+                stats.unserved,
             ),
         ]:
             yield CounterMetricFamily(name, doc, value=value)

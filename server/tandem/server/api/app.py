@@ -15,6 +15,7 @@ from tandem.server.engine import LLMEngine
 
 from . import distserve_routes, native_routes, openai_routes, ops_routes
 from .auth import AuthMiddleware
+from .body import JSONBodyGuard
 from .chat_history import ChatHistories
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
@@ -102,6 +103,7 @@ def build_app(
     app.include_router(native_routes.router, tags=["native"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
+    app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)
     return app

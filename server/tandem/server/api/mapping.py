@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+
 from tandem.server.engine import CompletionOutput, InvalidParamError, RequestOutput, SamplingParams
 
 from .errors import APIError
@@ -31,11 +33,19 @@ _FORBIDDEN_TEMPLATE_KWARGS = {
 }
 
 
-def session_key(value: str | int | None) -> str | None:
-    """The engine's session id: ``None``, ``""`` and ``-1`` (LMDeploy's "no session") are stateless."""
+def session_key(value: str | int | None, owner: str | None = None) -> str | None:
+    """The engine's session id: ``None``, ``""`` and ``-1`` (LMDeploy's "no session") are stateless.
+
+    A session belongs to the client key that created it (``owner``, set by the auth
+    middleware): another key naming the same id reaches a different session. The proxy
+    scopes ids the same way before it forwards them with the internal credential."""
     if value is None or value == "" or value == -1:
         return None
-    return str(value)
+    return f"{owner}:{value}" if owner else str(value)
+
+
+def request_owner(request: Request) -> str | None:
+    return getattr(request.state, "owner", None)
 
 
 def sampling_params(

@@ -80,7 +80,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         [prompt],
         params,
         stream=bool(body.stream),
-        session_id=mapping.session_key(body.session_id),
+        session_id=mapping.session_key(body.session_id, mapping.request_owner(request)),
     )
     want = bool(body.return_logprob)
     if body.stream:
@@ -144,7 +144,7 @@ async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """Abort the requests of one session, or every request in flight with ``abort_all``."""
     state = get_state(request)
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     if not body.abort_all and session is None:
         raise APIError(
             400, "give a session_id or abort_all: true", param="session_id", code="invalid_value"

@@ -76,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools, reasoning, spec = _chat_plan(state, body)
     if spec is not None:
         params = params.clone(structured=spec)
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     raw_prompt = (
         isinstance(body.messages, str) and body.do_preprocess is False
     )  # no template, no history
@@ -273,7 +273,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     request_id = new_id("cmpl")
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     if session is not None and len(prompts) > 1:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
@@ -419,8 +419,9 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     engine_has = await state.engine.call(lambda e: hasattr(e, "delete_session"))
     if not engine_has:
         raise APIError(501, "this engine has no sessions", code="not_implemented")
-    deleted = await state.engine.call(lambda e: e.delete_session(session_id))
-    deleted = state.histories.drop(session_id) or deleted
+    key = mapping.session_key(session_id, mapping.request_owner(request)) or session_id
+    deleted = await state.engine.call(lambda e: e.delete_session(key))
+    deleted = state.histories.drop(key) or deleted
     if not deleted:
         raise APIError(
             404,

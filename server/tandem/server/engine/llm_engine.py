@@ -78,7 +78,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sessions = SessionStore(self.kv)
+        self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
+        self.kv.reclaim = self.sessions.reclaim
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )

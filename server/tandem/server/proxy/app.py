@@ -13,10 +13,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -28,6 +30,15 @@ from tandem.server.api.auth import (
     PROXY_ADMIN_PREFIXES,
     AuthMiddleware,
     Credentials,
+)
+from tandem.server.api.body import JSONBodyGuard
+from tandem.server.api.errors import validation_message
+from tandem.server.api.mapping import request_owner, session_key
+from tandem.server.api.protocol import (
+    ERROR_RESPONSES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionId,
 )
 
 from .pd_flow import FlowConfig, PDFlow, ProxyError, error_body
@@ -73,6 +84,18 @@ class ProxyState:
     poller: HealthPoller
     started_at: float = field(default_factory=time.time)
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+_STREAMED = {
+    "description": "The answer; with ``stream: true`` a stream of server-sent events",
+    "content": {"application/json": {}, "text/event-stream": {}},
+}
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _STREAMED,
+    **ERROR_RESPONSES,
+    502: ERROR_RESPONSES[503],
+    504: ERROR_RESPONSES[503],
+}
 
 
 def get_state(request: Request) -> ProxyState:
@@ -126,6 +149,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     _add_openai_routes(app)
     _add_node_routes(app)
     _add_ops_routes(app)
+    app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     credentials = _credentials(settings)
     if not credentials.open:
         app.add_middleware(
@@ -149,12 +173,22 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return JSONResponse(
+            error_body(message, type="invalid_request_error", code="invalid_value", param=param),
+            status_code=400,
+        )
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code
+            error_body(str(exc.detail), type=kind, code=code),
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(Exception)
@@ -191,8 +225,13 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _client_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A client's generation request: the P/D handoff field is the proxy's own, never theirs."""
+def _client_body(body: dict[str, Any], request: Request) -> dict[str, Any]:
+    """A client's generation request, already validated against the engine's own model (the
+    route's declared body): the P/D handoff field is the proxy's own, never theirs, and a
+    session id is scoped to the client's key before it reaches an engine."""
+    owner = request_owner(request)
+    if owner and body.get("session_id") is not None:
+        body = {**body, "session_id": session_key(body["session_id"], owner)}
     if "kv_transfer_params" in body:
         raise ProxyError(
             403,
@@ -205,21 +244,24 @@ def _client_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_openai_routes(app: FastAPI) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
+    async def chat_completions(_: ChatCompletionRequest, request: Request) -> Response:
         """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
-        body = _client_body(await _json_body(request))
+        body = _client_body(await _json_body(request), request)
         return await get_state(request).flow.handle("chat", body, request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = _client_body(await _json_body(request))
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
+    async def completions(_: CompletionRequest, request: Request) -> Response:
+        body = _client_body(await _json_body(request), request)
         return await get_state(request).flow.handle("completions", body, request)
 
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str, request: Request) -> Response:
+    @app.delete("/v1/sessions/{session_id}", responses=ERROR_RESPONSES)
+    async def delete_session(
+        session_id: Annotated[SessionId, Path()], request: Request
+    ) -> Response:
         """Free a session's blocks on the engine holding it (every decode engine if unknown)."""
         state = get_state(request)
+        session_id = session_key(session_id, request_owner(request)) or str(session_id)
         flow = state.flow
         held = flow.sessions.get(session_id)
         urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
@@ -235,7 +277,9 @@ def _add_openai_routes(app: FastAPI) -> None:
         for url in urls:
             try:
                 r = await state.client.delete(
-                    f"{url}/v1/sessions/{session_id}", headers=flow.headers, timeout=10.0
+                    f"{url}/v1/sessions/{quote(session_id, safe='')}",
+                    headers=flow.headers,
+                    timeout=10.0,
                 )
             except httpx.HTTPError:
                 continue

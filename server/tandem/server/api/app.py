@@ -20,6 +20,7 @@ from .chat_history import ChatHistories
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .protocol import ERROR_RESPONSES
 from .state import ServerSettings, ServerState
 
 log = logging.getLogger("tandem.api")
@@ -94,6 +95,7 @@ def build_app(
         title="Tandem engine",
         version="0.1.0",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
         description="OpenAI-compatible API with LMDeploy's and Ollama's native routes. Unknown request "
         "fields are accepted and ignored; known fields are type-checked strictly (400).",
     )

@@ -76,8 +76,9 @@ def _count(request: Request, status: int) -> None:
         state.metrics.on_error(status)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if err.status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(
         error_body(err.status, err.message, code=err.code, param=err.param, type=err.type),
         status_code=err.status,
@@ -131,7 +132,27 @@ def validation_message(exc: Any) -> tuple[str, str | None]:
     return msg, param
 
 
+def without_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every route with a body; ours answer 400 instead (above)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    without_422(app)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count(request, exc.status)
@@ -147,7 +168,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         _count(request, exc.status_code)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), code=code), headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

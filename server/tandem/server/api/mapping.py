@@ -33,6 +33,9 @@ _FORBIDDEN_TEMPLATE_KWARGS = {
 }
 
 
+_OWNER_LEN = 16  # auth.key_owner's hex digest length
+
+
 def session_key(value: str | int | None, owner: str | None = None) -> str | None:
     """The engine's session id: ``None``, ``""`` and ``-1`` (LMDeploy's "no session") are stateless.
 
@@ -42,6 +45,15 @@ def session_key(value: str | int | None, owner: str | None = None) -> str | None
     if value is None or value == "" or value == -1:
         return None
     return f"{owner}:{value}" if owner else str(value)
+
+
+def same_session(key: str, wanted: str, owner: str | None) -> bool:
+    """Whether engine session ``key`` is ``wanted`` as this caller names it: a client names
+    its own sessions; the admin and internal callers (no owner) name any client's."""
+    if key == wanted:
+        return True
+    scope, sep, rest = key.partition(":")
+    return owner is None and bool(sep) and len(scope) == _OWNER_LEN and rest == wanted
 
 
 def request_owner(request: Request) -> str | None:

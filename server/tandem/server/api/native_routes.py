@@ -18,12 +18,14 @@ from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, submit
 from .protocol import (
     ERROR_RESPONSES,
+    SSE_RESPONSES,
     AbortRequest,
     EncodeRequest,
     EncodeResponse,
     GenerateRequest,
     GenerateResponse,
     OllamaGenerateRequest,
+    streamed,
 )
 from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
 from .state import get_state
@@ -55,7 +57,7 @@ def _generate_body(
     }
 
 
-@router.post("/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
+@router.post("/generate", response_model=GenerateResponse, responses=SSE_RESPONSES)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     """A raw prompt (``prompt``) or token ids (``input_ids``); streamed as SSE deltas when ``stream``."""
     state = get_state(request)
@@ -151,7 +153,10 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
         )
     if state.engine.state != "ready":
         return {"aborted": 0}
-    n = await state.engine.abort_matching(None if body.abort_all else session)
+    owner = mapping.request_owner(request)
+    n = await state.engine.abort_matching(
+        None if body.abort_all else lambda key: mapping.same_session(key, session, owner)
+    )
     return {"aborted": n}
 
 
@@ -210,7 +215,10 @@ def _created_at() -> str:
     return str(datetime.now())
 
 
-@router.post("/api/generate", responses=ERROR_RESPONSES)
+@router.post(
+    "/api/generate",
+    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+)
 async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     """Ollama-style generation: an NDJSON stream of ``{model, created_at, response, done}``."""
     state = get_state(request)

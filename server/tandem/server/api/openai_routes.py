@@ -20,6 +20,7 @@ from .generation import ClientDisconnected, Job, new_id, submit
 from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
+    SSE_RESPONSES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -60,9 +61,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post(
-    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
-)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """Chat over the model's template; ``stream: true`` answers with ``chat.completion.chunk`` events."""
     state = get_state(request)
@@ -254,7 +253,7 @@ async def _chat_stream(
             job.abort_unfinished()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Raw-prompt completions (one or more prompts; ``n`` choices each)."""
     state = get_state(request)

@@ -349,3 +349,16 @@ class ErrorResponse(StrictOut):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503)
 }
+
+
+def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
+    """A generation route's 200: JSON, or with ``stream: true`` a stream of ``media_type``."""
+    return {
+        200: {
+            "description": f"The answer; with ``stream: true``, {what}",
+            "content": {media_type: {"schema": {"type": "string"}}},
+        }
+    }
+
+
+SSE_RESPONSES = ERROR_RESPONSES | streamed("text/event-stream", "server-sent events")

@@ -32,10 +32,11 @@ from tandem.server.api.auth import (
     Credentials,
 )
 from tandem.server.api.body import JSONBodyGuard
-from tandem.server.api.errors import validation_message
+from tandem.server.api.errors import validation_message, without_422
 from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.protocol import (
     ERROR_RESPONSES,
+    SSE_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     SessionId,
@@ -86,16 +87,7 @@ class ProxyState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-_STREAMED = {
-    "description": "The answer; with ``stream: true`` a stream of server-sent events",
-    "content": {"application/json": {}, "text/event-stream": {}},
-}
-_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: _STREAMED,
-    **ERROR_RESPONSES,
-    502: ERROR_RESPONSES[503],
-    504: ERROR_RESPONSES[503],
-}
+_GENERATION_RESPONSES = SSE_RESPONSES | {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
 
 
 def get_state(request: Request) -> ProxyState:
@@ -142,6 +134,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
         title="Tandem proxy",
         version="0.1.0",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
         description="One OpenAI endpoint over prefill, decode and aggregated Tandem engines.",
     )
     app.state.proxy = state
@@ -169,6 +162,8 @@ def _credentials(settings: ProxySettings) -> Credentials:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    without_422(app)
+
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return exc.response()

@@ -293,7 +293,7 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
 
     step = decode_step_time(llm, args.decode_context, device, args.decode_iters)
-    weights, kv = step_bytes(llm.engine.model, cfg, args.decode_context, dtype)
+    weights, kv = step_bytes(llm.engine.worker.model, cfg, args.decode_context, dtype)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     floor = (weights + kv) / bandwidth
     del llm

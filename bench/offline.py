@@ -1,14 +1,22 @@
-"""Offline throughput: Tandem's engine against transformers ``generate``, in the same run.
+"""Offline throughput: Tandem's engine against transformers, both ways it batches, in one run.
 
-64 prompts with lengths uniform in 16..256 and outputs uniform in 16..128 (ignore_eos), on
-one tiny model. transformers runs them as one left-padded batch, greedy, with
-``max_new_tokens`` set to the longest requested output, as a user would write it; its
-throughput counts the tokens that were asked for (what the user keeps) and, beside it, every
-token it generated. The two runs alternate ``--repeats`` times and each side keeps its best
-time, so a burst of load from another process hurts neither side alone. Prints tokens/s of both
-and the ratio; the machine is shared and noisy, so only the ratio is meaningful.
+Random prompts with lengths uniform in 16..256 and outputs uniform in 16..128 (ignore_eos),
+greedy, on each model asked for: the random tiny Llama (64 prompts) and the default model,
+SmolLM2-135M-Instruct from its Q4_1 GGUF (12 prompts; both sides run the same dequantized
+float32 weights). Two transformers baselines:
 
-    python bench/offline.py [--model DIR] [--num-prompts 64] [--repeats 3] [--threads 1] [--seed 0]
+- static ``generate``: one left-padded batch with ``max_new_tokens`` set to the longest
+  requested output, as a user would write it; its throughput counts the tokens that were
+  asked for (what the user keeps) and, beside it, every token it generated;
+- continuous batching (``init_continuous_batching``: paged KV cache, each request with its
+  own ``max_new_tokens``), the closest thing transformers has to this engine.
+
+The runs alternate ``--repeats`` times and each side keeps its best time, so a burst of load
+from another process hurts no side alone. Prints tokens/s and the ratios; the machine is
+shared and noisy, so only the ratios are meaningful.
+
+    python bench/offline.py [--model tiny|smollm2|PATH ...] [--num-prompts N] [--repeats 3]
+                            [--threads 1] [--seed 0]
 """
 
 from __future__ import annotations
@@ -54,10 +62,20 @@ def run_tandem(
     return elapsed, produced
 
 
-def transformers_runner(model_dir: str, prompts: list[list[int]], outputs: list[int]):
+def hf_model(model: str) -> torch.nn.Module:
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model.endswith(".gguf"):
+        path = Path(model)
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def transformers_runner(model, prompts: list[list[int]], outputs: list[int]):
     pad = model.generation_config.pad_token_id or 0
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -78,56 +96,120 @@ def run_transformers(
     return elapsed, (out.shape[1] - width) * ids.shape[0]
 
 
+def transformers_cb_runner(model, prompts: list[list[int]], outputs: list[int]):
+    """One manager (paged cache sized for the workload, no prefix sharing so a repeat cannot
+    reuse the previous run's prompts) started once; its set-up is not timed, as ours is not."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(outputs), eos_token_id=-1, pad_token_id=0
+    )
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=2 * len(prompts) + 4, max_batch_tokens=4096, allow_block_sharing=False
+    )
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=cb_config
+    )
+    manager.start()
+    run_transformers_cb(manager, prompts[:2], [4, 4])  # warm-up
+    return lambda: run_transformers_cb(manager, prompts, outputs), manager
+
+
+def run_transformers_cb(manager, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, outputs)]
+    done = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            done[result.request_id] = result
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in done.values())
+    assert produced == sum(outputs), (produced, sum(outputs))
+    return elapsed, produced
+
+
+def resolve(model: str) -> tuple[str, int]:
+    """The model's path and its default number of prompts."""
+    if model == "tiny":
+        from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
+
+        path = make_tiny_model(tempfile.mkdtemp(prefix="tandem-bench-"), TinyModelSpec())
+        return str(path), 64
+    if model == "smollm2":
+        from tandem.server.engine.default_model import default_model_path
+
+        return str(default_model_path()), 12
+    return model, 64
+
+
+def bench(model: str, num_prompts: int | None, repeats: int, seed: int) -> None:
+    from tandem.server.engine.models.config import ModelConfig
+
+    path, default_prompts = resolve(model)
+    vocab = ModelConfig.from_dir(path).vocab_size
+    prompts, outputs = workload(num_prompts or default_prompts, vocab, seed)
+    wanted = sum(outputs)
+    hf = hf_model(path)
+    cb_run, cb_manager = transformers_cb_runner(hf, prompts, outputs)
+    runners = {
+        "tandem": tandem_runner(path, prompts, outputs),
+        "static": transformers_runner(hf, prompts, outputs),
+        "cb": cb_run,
+    }
+    runs: dict[str, list[tuple[float, int]]] = {k: [] for k in runners}
+    try:
+        for _ in range(repeats):
+            for name, run in runners.items():
+                runs[name].append(run())
+    finally:
+        cb_manager.stop(block=True)  # its thread is not a daemon: the process would not exit
+    best = {k: min(v) for k, v in runs.items()}
+    print(f"== {model}: {path}")
+    print("runs (s): " + ", ".join(f"{k} {[round(t, 2) for t, _ in v]}" for k, v in runs.items()))
+    print(
+        f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+        f"{wanted} output tokens"
+    )
+    ours = wanted / best["tandem"][0]
+    static_useful, static_all = wanted / best["static"][0], best["static"][1] / best["static"][0]
+    cb = wanted / best["cb"][0]
+    print(f"tandem                        {best['tandem'][0]:8.2f} s  {ours:10.1f} output tok/s")
+    print(
+        f"transformers generate         {best['static'][0]:8.2f} s  {static_useful:10.1f} output "
+        f"tok/s asked for ({static_all:.1f} tok/s counting all {best['static'][1]} generated)"
+    )
+    print(f"transformers continuous batch {best['cb'][0]:8.2f} s  {cb:10.1f} output tok/s")
+    print(
+        f"ratio tandem/transformers generate: {ours / static_useful:.2f}x "
+        f"(against all generated: {ours / static_all:.2f}x); "
+        f"tandem/transformers continuous batching: {ours / cb:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF model dir (default: a fresh tiny llama)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="tiny, smollm2 (the default model's GGUF), or a model directory / .gguf; repeat "
+        "for several (default: tiny and smollm2)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 64, smollm2 12")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads for both sides (1 keeps a shared 2-core machine from thrashing)",
+        help="torch threads for every side (1 keeps a shared 2-core machine from thrashing)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = args.model
-    if model_dir is None:
-        from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
-
-        model_dir = str(
-            make_tiny_model(tempfile.mkdtemp(prefix="tandem-bench-"), TinyModelSpec(arch="llama"))
-        )
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    prompts, outputs = workload(args.num_prompts, vocab, args.seed)
-    wanted = sum(outputs)
-    ours_run, hf_run = (
-        tandem_runner(model_dir, prompts, outputs),
-        transformers_runner(model_dir, prompts, outputs),
-    )
-    ours_runs, hf_runs = [], []
-    for _ in range(args.repeats):
-        ours_runs.append(ours_run())
-        hf_runs.append(hf_run())
-    (t_ours, n_ours), (t_hf, n_hf) = min(ours_runs), min(hf_runs)
-    print(
-        f"runs (s): tandem {[round(t, 2) for t, _ in ours_runs]}, transformers {[round(t, 2) for t, _ in hf_runs]}"
-    )
-    ours, hf_useful, hf_all = n_ours / t_ours, wanted / t_hf, n_hf / t_hf
-    print(
-        f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {wanted} output tokens"
-    )
-    print(f"tandem        {t_ours:8.2f} s  {ours:10.1f} output tok/s")
-    print(
-        f"transformers  {t_hf:8.2f} s  {hf_useful:10.1f} output tok/s asked for "
-        f"({hf_all:.1f} tok/s counting all {n_hf} generated)"
-    )
-    print(
-        f"ratio tandem/transformers: {ours / hf_useful:.2f}x (against all generated: {ours / hf_all:.2f}x)"
-    )
+    for model in args.model or ["tiny", "smollm2"]:
+        bench(model, args.num_prompts, args.repeats, args.seed)
 
 
 if __name__ == "__main__":

@@ -41,5 +41,20 @@ else
   "$python" -m e2e.cluster install-tools "$bin"
 fi
 
+# KEDA's and the Prometheus Operator's CRDs, generated with controller-gen from their
+# published Go API types (e2e/cluster/crdgen, a module of its own): cached apart from the
+# control plane, so neither rebuilds the other.
+crds=$("$python" -m e2e.cluster crd-dir)
+if [[ -f "$crds/keda.sh_scaledobjects.yaml" && -f "$crds/monitoring.coreos.com_podmonitors.yaml" ]]; then
+  log "third-party CRDs: reusing $crds"
+else
+  log "third-party CRDs: generating into $crds (cold: ~3 min on 2 cores)"
+  start=$SECONDS
+  tmp=$(mktemp -d "$(dirname "$crds")/crds.XXXXXX")
+  bash "$here/cluster/crdgen/crds.sh" "$tmp"
+  mkdir -p "$crds" && mv -f "$tmp"/* "$crds/" && rmdir "$tmp"
+  log "third-party CRDs: generated in $((SECONDS - start))s"
+fi
+
 "$python" -m e2e.cluster versions >&2 || true
 echo "$bin"

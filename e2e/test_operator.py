@@ -55,6 +55,29 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     )
 
 
+def _table(cluster: Cluster, namespace: str, name: str, *flags: str) -> dict[str, str]:
+    """`kubectl get tisvc NAME` as {column: cell}, cut at the header's column starts."""
+    header, row = cluster.kubectl(
+        "get", "tisvc", name, "-n", namespace, *flags
+    ).stdout.splitlines()[:2]
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = [*starts, len(row) + 1]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(bounds, bounds[1:], strict=False)}
+
+
+def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
+    """The Events on an InferenceService with this reason, as `kubectl get events` lists them."""
+    items = cluster.kubectl_json(
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.kind=InferenceService,involvedObject.name={name}",
+    )["items"]
+    return [e for e in items if e.get("reason") == reason]
+
+
 def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
     kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
     items = cluster.kubectl_json(
@@ -156,6 +179,7 @@ class Operator:
                     "30",
                     "--image",
                     "tandem:e2e",
+                    "--gang-scheduling",  # the harness enables Kubernetes' PodGroup API
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -435,6 +459,8 @@ def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, names
     }
     assert after == before
     assert _condition(_get(cluster, "tisvc", name, namespace), "Ready")["status"] == "True"
+    # two operator restarts and resyncs posted the Ready transition once (no event storm)
+    assert len(_events(cluster, namespace, name, "AllRolesReady")) == 1
 
     # A spec change rolls the engine pods and moves observedGeneration.
     old_pods = {
@@ -496,37 +522,61 @@ def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, names
     )
 
 
-def test_more_gpus_than_any_node_has_shows_waiting_for_gpus(
+def test_gpus_beyond_any_node_are_unschedulable_and_beyond_free_ones_wait(
     cluster: Cluster, operator: Operator, namespace: str
 ) -> None:
-    name = "huge"
+    """Finding 5b: a pod asking for more GPUs than any node has is Unschedulable at once
+    (it would never fit); pods that fit a node but not the free GPUs are WaitingForGPUs."""
+    huge, busy = "huge", "busy"
+    _apply(
+        cluster,
+        _isvc(huge, namespace, mode="Aggregated", decode={"replicas": 1, "gpus": 16}),
+    )
+    # 3 pods x 8 GPUs on 2 nodes of 8: the third waits
     _apply(
         cluster,
         _isvc(
-            name,
-            namespace,
-            mode="Aggregated",
-            decode={"replicas": 1, "gpus": cluster.nodes.gpus + 1},
+            busy, namespace, mode="Aggregated", decode={"replicas": 3, "gpus": cluster.nodes.gpus}
         ),
     )
 
-    def waiting() -> bool:
-        return (
-            _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason")
-            == "WaitingForGPUs"
-        )
+    def reason(name: str) -> str | None:
+        return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason")
 
     try:
-        wait_for("Ready=False/WaitingForGPUs", waiting, timeout=60, interval=1)
+        wait_for("huge Unschedulable", lambda: reason(huge) == "Unschedulable", timeout=60)
+        wait_for("busy WaitingForGPUs", lambda: reason(busy) == "WaitingForGPUs", timeout=60)
     except TimeoutError:
         print(operator.tail(), file=sys.stderr)
         raise
-    isvc = _get(cluster, "tisvc", name, namespace)
-    assert _condition(isvc, "DecodeReady")["reason"] == "WaitingForGPUs"
-    assert _condition(isvc, "Degraded")["status"] == "True"
-    assert "Insufficient nvidia.com/gpu" in _condition(isvc, "Ready")["message"]
-    assert isvc["status"]["phase"] == "Degraded" and isvc["status"]["decode"]["replicas"] == "0/1"
-    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    row = _table(cluster, namespace, huge)
+    assert (row["READY"], row["REASON"]) == ("False", "Unschedulable")
+    isvc = _get(cluster, "tisvc", huge, namespace)
+    assert _condition(isvc, "DecodeReady")["reason"] == "Unschedulable"
+    assert (
+        "needs 16 nvidia.com/gpu but the largest node has 8" in _condition(isvc, "Ready")["message"]
+    )
+    assert isvc["status"]["phase"] == "Degraded"
+    wait_for(  # two pods fit and kwok makes them Ready; the third waits
+        "busy at 2/3",
+        lambda: _get(cluster, "tisvc", busy, namespace)["status"]["decode"]["replicas"] == "2/3",
+        timeout=60,
+    )
+    waiting = _get(cluster, "tisvc", busy, namespace)
+    assert _condition(waiting, "Degraded")["status"] == "True"
+    assert "Insufficient nvidia.com/gpu" in _condition(waiting, "Ready")["message"]
+    # a Warning Event says the same, once
+    wait_for(
+        "the Unschedulable event",
+        lambda: _events(cluster, namespace, huge, "Unschedulable"),
+        timeout=30,
+    )
+    cluster.kubectl("delete", "tisvc", huge, busy, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(  # the GPUs are free for the next test
+        "the pods to go",
+        lambda: not cluster.kubectl_json("get", "pods", "-n", namespace)["items"],
+        timeout=60,
+    )
 
 
 def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
@@ -573,22 +623,27 @@ def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 
+def _volume(name: str, storage_class: str) -> dict[str, Any]:
+    """A 1Gi ReadWriteMany PersistentVolume of its own StorageClass, for one cache to bind."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": storage_class,
+            "hostPath": {"path": f"/tmp/tandem-{name}"},
+        },
+    }
+
+
 def test_hf_model_is_downloaded_by_a_job_before_the_engines_start(
     cluster: Cluster, operator: Operator, namespace: str
 ) -> None:
     """hf:// -> a download Job into the cache PVC (kwok completes its pod), then engines."""
     storage_class = f"manual-{namespace}"
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"models-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": storage_class,
-            "hostPath": {"path": "/tmp/tandem-models"},
-        },
-    }
+    pv = _volume(f"models-{namespace}", storage_class)
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -697,3 +752,267 @@ def test_a_second_operator_waits_until_the_leader_leaves(
         second.stop()
         if not operator.running():
             operator.start()
+
+
+# ---- what a user sees when something is wrong (issue 17's findings) ---------------------------
+
+
+def _reason(cluster: Cluster, namespace: str, name: str) -> str | None:
+    return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("reason")
+
+
+def _wait_reason(
+    cluster: Cluster, op: Operator, namespace: str, name: str, reason: str, timeout: float = 60
+) -> dict[str, Any]:
+    """The InferenceService as it was when its Ready condition first had this reason."""
+    seen: list[dict[str, Any]] = []
+
+    def has_reason() -> bool:
+        seen.append(_get(cluster, "tisvc", name, namespace))
+        return _condition(seen[-1], "Ready").get("reason") == reason
+
+    try:
+        wait_for(f"{name} Ready reason {reason}", has_reason, timeout=timeout, interval=1)
+    except TimeoutError:
+        print(json.dumps(seen[-1].get("status"), indent=1))
+        print(op.tail(), file=sys.stderr)
+        raise
+    return seen[-1]
+
+
+def test_unbound_cache_pvc_is_degraded_not_downloading(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 1: a cache PVC that cannot bind (no such StorageClass) is CacheUnbound."""
+    name = "unbound"
+    model = {
+        "name": "tiny",
+        "uri": "hf://tandem/tiny",
+        "cache": {"storageClassName": "does-not-exist", "size": "1Gi"},
+    }
+    _apply(cluster, _isvc(name, namespace, mode="Aggregated", model=model))
+    isvc = _wait_reason(cluster, operator, namespace, name, "CacheUnbound")
+    assert _condition(isvc, "Degraded")["status"] == "True"
+    assert _condition(isvc, "Progressing")["status"] == "False"
+    assert _condition(isvc, "ModelReady")["reason"] == "CacheUnbound"
+    message = _condition(isvc, "Ready")["message"]
+    assert "unbound-model-cache is not bound (storageClassName does-not-exist)" in message
+    assert isvc["status"]["phase"] == "Degraded"
+    assert _table(cluster, namespace, name)["REASON"] == "CacheUnbound"
+    describe = cluster.kubectl("describe", "tisvc", name, "-n", namespace).stdout
+    assert "CacheUnbound" in describe and "Warning" in describe  # the Event, in describe
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_no_serving_path_is_not_ready_and_kubectl_scale_fixes_it(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Findings 2 and 8: decode at 0 replicas cannot serve; `kubectl scale tisvc` scales decode."""
+    name = "nodecode"
+    _apply(cluster, _isvc(name, namespace, decode={"replicas": 0}))
+    isvc = _wait_reason(cluster, operator, namespace, name, "NoServingPath")
+    assert "no decode engine is ready" in _condition(isvc, "Ready")["message"]
+    assert _condition(isvc, "DecodeReady")["reason"] == "ScaledToZero"
+    cluster.kubectl("scale", "tisvc", name, "-n", namespace, "--replicas=2")
+    isvc = _wait_ready(cluster, operator, namespace, name)
+    assert isvc["spec"]["decode"]["replicas"] == 2 and isvc["status"]["decode"]["replicas"] == "2/2"
+    scale = json.loads(cluster.kubectl("get", "--raw", _scale_path(namespace, name)).stdout)
+    assert scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"].endswith("tandem.dev/role=decode")
+    assert len(_events(cluster, namespace, name, "AllRolesReady")) == 1
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def _scale_path(namespace: str, name: str) -> str:
+    return f"/apis/tandem.dev/v1alpha1/namespaces/{namespace}/inferenceservices/{name}/scale"
+
+
+def test_bad_pod_fields_are_rejected_and_a_failed_apply_is_shown(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 3: Kubernetes' own schemas reject a bad toleration at admission; an apply the
+    API server refuses (here a quota) is ApplyFailed with the server's message and an Event."""
+    bad = _isvc("bad", namespace, decode={"tolerations": [{"foo": "bar"}]})
+    result = _apply(cluster, bad, False)
+    assert result.returncode != 0 and 'unknown field "spec.decode.tolerations[0].foo"' in (
+        result.stderr
+    )
+    bad = _isvc("bad", namespace, decode={"affinity": {"nodeAffinity": {"bogus": 1}}})
+    assert _apply(cluster, bad, False).returncode != 0
+    result = _apply(cluster, _isvc("bad", namespace, decode={"gpus": 3}), False)
+    assert result.returncode != 0 and "must be 0 or a power of two" in result.stderr
+
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-deployments", "namespace": namespace},
+        "spec": {"hard": {"count/deployments.apps": "0"}},
+    }
+    _apply(cluster, quota)
+    name = "quota"
+    good = _isvc(
+        name,
+        namespace,
+        mode="Aggregated",
+        decode={"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+    )
+    _apply(cluster, good)
+    isvc = _wait_reason(cluster, operator, namespace, name, "ApplyFailed")
+    message = _condition(isvc, "Ready")["message"]
+    assert "apply Deployment/quota-engine" in message and "exceeded quota" in message
+    assert _condition(isvc, "Degraded")["reason"] == "ApplyFailed"
+    assert _table(cluster, namespace, name)["REASON"] == "ApplyFailed"
+    wait_for(
+        "the ApplyFailed event",
+        lambda: _events(cluster, namespace, name, "ApplyFailed"),
+        timeout=30,
+    )
+    warning = _events(cluster, namespace, name, "ApplyFailed")[0]
+    assert warning["type"] == "Warning" and "exceeded quota" in warning["message"]
+    cluster.kubectl("delete", "resourcequota", "no-deployments", "-n", namespace)
+    _wait_ready(cluster, operator, namespace, name, timeout=90)  # kopf's retry applies it
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_model_cache_outlives_the_service_and_is_adopted(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 7: cache.retain (default) keeps the PVC; a new service of the same name and
+    model adopts it and starts without a download Job."""
+    storage_class = f"retain-{namespace}"
+    pv = _volume(f"cache-{namespace}", storage_class)
+    _apply(cluster, pv)
+    name = "kept"
+    model = {
+        "name": "tiny",
+        "uri": "hf://tandem/tiny",
+        "cache": {"storageClassName": storage_class, "size": "1Gi"},
+    }
+    spec = _isvc(name, namespace, mode="Aggregated", model=model)
+    selector = f"tandem.dev/inferenceservice={name}"
+    try:
+        _apply(cluster, spec)
+        _wait_ready(cluster, operator, namespace, name, timeout=120)
+        jobs = cluster.kubectl_json("get", "jobs", "-n", namespace, "-l", selector)["items"]
+        assert len(jobs) == 1
+        wait_for(
+            "the cache to be marked",
+            lambda: (
+                "tandem.dev/cached-model"
+                in _get(cluster, "pvc", f"{name}-model-cache", namespace)["metadata"].get(
+                    "annotations", {}
+                )
+            ),
+            timeout=30,
+        )
+        cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+        wait_for(
+            "the Job to be collected",
+            lambda: (
+                not cluster.kubectl_json("get", "jobs", "-n", namespace, "-l", selector)["items"]
+            ),
+            timeout=60,
+        )
+        pvc = _get(cluster, "pvc", f"{name}-model-cache", namespace)
+        assert pvc["status"]["phase"] == "Bound" and not pvc["metadata"].get("deletionTimestamp")
+        _apply(cluster, spec)
+        isvc = _wait_ready(cluster, operator, namespace, name, timeout=60)
+        assert _condition(isvc, "ModelReady")["reason"] == "Downloaded"
+        assert not cluster.kubectl_json("get", "jobs", "-n", namespace, "-l", selector)["items"]
+        cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    finally:
+        cluster.kubectl("delete", "pvc", f"{name}-model-cache", "-n", namespace, check=False)
+        cluster.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_pods_have_requests_pdbs_allow_unhealthy_eviction_and_engines_carry_kv_layout(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 8 (QoS, PDB) and 6 (every engine pod carries its KV-layout hash)."""
+    name = "qos"
+    _apply(cluster, _isvc(name, namespace, engine={"blockSize": 16}))
+    _wait_ready(cluster, operator, namespace, name)
+    pods = cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", f"tandem.dev/inferenceservice={name}"
+    )["items"]
+    assert pods and {p["status"]["qosClass"] for p in pods} == {"Burstable"}
+    layouts = {
+        p["metadata"]["labels"].get("tandem.dev/kv-layout")
+        for p in pods
+        if p["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+    }
+    assert len(layouts) == 1 and None not in layouts
+    pdbs = cluster.kubectl_json("get", "pdb", "-n", namespace)["items"]
+    assert {p["spec"]["unhealthyPodEvictionPolicy"] for p in pdbs} == {"AlwaysAllow"}
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def test_a_service_that_cannot_be_placed_whole_holds_no_gpu(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Finding 5: with 4 GPUs free, a prefill pod (4 GPUs) would fit but its decode pod
+    (8) would not; gang admission binds neither, so no GPU is held by a service that cannot
+    serve. Once GPUs are freed, both are admitted together."""
+    gpus = cluster.nodes.gpus
+    filler = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "filler", "namespace": namespace},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "filler"}},
+            "template": {
+                "metadata": {"labels": {"app": "filler"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "filler",
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus // 2)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    _apply(cluster, filler)  # 3 x 4 GPUs of 2 x 8: 4 free, on one node
+    cluster.kubectl("rollout", "status", "deployment/filler", "-n", namespace, "--timeout=60s")
+    name = "gang"
+    _apply(
+        cluster,
+        _isvc(
+            name,
+            namespace,
+            prefill={"replicas": 1, "gpus": gpus // 2},
+            decode={"replicas": 1, "gpus": gpus},
+        ),
+    )
+    isvc = _wait_reason(cluster, operator, namespace, name, "WaitingForGang")
+    group = _get(cluster, "podgroup", f"{name}-engines", namespace)
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+    # the decode pod does not fit; the prefill pod, which would, waits for it
+    assert _condition(isvc, "PrefillReady")["reason"] == "WaitingForGang"
+    assert "pod group is unschedulable" in _condition(isvc, "PrefillReady")["message"]
+    engines = cluster.kubectl_json(
+        "get",
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"tandem.dev/inferenceservice={name},app.kubernetes.io/component=engine",
+    )["items"]
+    assert {p["metadata"]["labels"]["tandem.dev/role"] for p in engines} == {"prefill", "decode"}
+    assert not any(p["spec"].get("nodeName") for p in engines)  # the prefill pod holds nothing
+    assert isvc["status"]["phase"] == "Degraded"
+    wait_for(
+        "decode WaitingForGPUs",
+        lambda: (
+            _condition(_get(cluster, "tisvc", name, namespace), "DecodeReady").get("reason")
+            == "WaitingForGPUs"
+        ),
+        timeout=30,
+    )
+    cluster.kubectl("scale", "deployment/filler", "-n", namespace, "--replicas=1")
+    _wait_ready(cluster, operator, namespace, name, timeout=90)
+    cluster.kubectl("delete", "deployment", "filler", "-n", namespace)
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")

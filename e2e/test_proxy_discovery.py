@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -36,6 +35,7 @@ from e2e.cluster import Cluster, wait_for
 from tandem.operator.plan import engine_selector, plan
 from tandem.operator.render import render
 from tandem.operator.spec import GPU_RESOURCE, load_inference_service
+from tandem.server.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME, OTHER = "chat", "other"
@@ -60,12 +60,6 @@ def _apply(cluster: Cluster, objs: list[dict[str, Any]]) -> None:
     cluster.kubectl(
         "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -234,7 +228,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         kubeconfig = _proxy_kubeconfig(
             cluster, namespace, f"{NAME}-proxy", workdir / "proxy.kubeconfig"
         )
-        port = _free_port()
+        port = free_port()
         log = workdir / "proxy.log"
         child_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         for var in (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+
+from tandem.server.net import free_port
 
 API_KEY = "sk-test-key"
 ADMIN_KEY = "sk-test-admin"  # /pause, /abort_request, ... (docs/security.md)
@@ -33,12 +34,6 @@ def make_model(root: Path, arch: str = "llama") -> str:
     from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
     return str(make_tiny_model(str(root / arch), TinyModelSpec(arch=arch)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ChildProcess:

@@ -123,16 +123,22 @@ def test_generate_and_ollama_params() -> None:
         ollama_sampling_params({"seed": "1"})
 
 
-def test_stream_cursor_sends_each_piece_once() -> None:
-    cur = mapping.Cursor()
-    pieces = []
-    for text, ids, reason in [
-        ("He", [1], None),
-        ("Hello", [1, 2], None),
-        ("Hello!", [1, 2, 3], "stop"),
-    ]:
-        pieces.append(cur.advance(CompletionOutput(0, text, ids, reason))[:2])
-    assert pieces == [("He", [1]), ("llo", [2]), ("!", [3])] and cur.done
+def test_stream_deltas_merge_into_the_whole_output() -> None:
+    """A consumer that fell behind takes several deltas as one; choices keep their order."""
+
+    def delta(*choices: CompletionOutput) -> RequestOutput:
+        return RequestOutput("r", [9], list(choices), finished=False)
+
+    merged = (
+        delta(CompletionOutput(1, "x", [5], None))
+        .merge(delta(CompletionOutput(0, "He", [1], None, logprobs=[])))
+        .merge(delta(CompletionOutput(0, "llo", [2], "stop", "o")))
+    )
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
+        (0, "Hello", [1, 2], "stop"),
+        (1, "x", [5], None),
+    ]
+    assert merged.outputs[0].stop_reason == "o" and merged.outputs[0].logprobs == []
 
 
 def test_response_shapes_and_usage() -> None:

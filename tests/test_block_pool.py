@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.engine.block_pool import BlockPool, BlockPoolError
+from tandem.server.engine.block_pool import NULL_BLOCK, BlockPool, BlockPoolError
 from tandem.server.engine.kv_cache_manager import KVCacheManager
 from tandem.server.engine.prefix_cache import PrefixCache, chain_hashes
 from tandem.server.engine.request import Request
@@ -27,7 +27,7 @@ def test_allocate_and_free_track_reference_counts() -> None:
     pool = BlockPool(8, None)
     assert pool.num_free == 7  # block 0 is the padding page
     blocks = pool.allocate(3)
-    assert BlockPool.NULL_BLOCK not in blocks
+    assert NULL_BLOCK not in blocks
     assert pool.num_free == 4
     pool.share(blocks[:1])
     pool.free(blocks)
@@ -76,23 +76,23 @@ def test_cached_blocks_survive_free_until_reused_then_are_evicted() -> None:
     assert kv.allocate(first, 10, kv.find_cached_prefix(first))
     first.num_computed_tokens = 10
     kv.cache_full_blocks(first)
-    assert kv.stats().cached_blocks == 2
+    assert kv.pool.num_cached == 2
     kv.free(first)
-    assert kv.stats().free_blocks == 5 and kv.stats().cached_blocks == 2
+    assert kv.pool.num_free == 5 and kv.pool.num_cached == 2
 
     second = make_request(list(range(1, 11)) + [42], "b")
     prefix = kv.find_cached_prefix(second)
     assert len(prefix.block_ids) == 2
     assert kv.allocate(second, 3, prefix)
     assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
-    assert kv.stats().prefix_hit_rate > 0
+    assert kv.prefix_cache.hit_rate > 0
     kv.free(second)
 
     hog = make_request(list(range(100, 120)), "c")
     assert kv.allocate(
         hog, 20, kv.find_cached_prefix(hog)
     )  # takes every block: the cache is evicted
-    assert kv.stats().cached_blocks == 0
+    assert kv.pool.num_cached == 0
     kv.free(hog)
     kv.pool.check_all_free()
 

@@ -78,8 +78,8 @@ def test_session_second_turn_prefills_only_new_tokens(engine: LLMEngine) -> None
     turn1 = engine.tokenizer.encode("Sessions keep a conversation's blocks between turns.")
     engine.add_request("t1", turn1, params, session_id="chat")
     first = drain(engine)["t1"]
-    assert engine.num_sessions == 1
-    held = engine.stats().kv
+    assert len(engine.sessions) == 1
+    held = engine.stats()
     assert held.free_blocks < held.total_blocks  # the session keeps its blocks
     history = turn1 + first.token_ids
     turn2 = history + engine.tokenizer.encode(" And the next turn only prefills what is new.")
@@ -90,7 +90,7 @@ def test_session_second_turn_prefills_only_new_tokens(engine: LLMEngine) -> None
     engine.kv.pool.reset_prefix_cache()  # the stateless reference must not lean on any cache
     engine.add_request("stateless", turn2, params)
     assert drain(engine)["stateless"].token_ids == second.token_ids
-    assert engine.delete_session("chat") and engine.num_sessions == 0
+    assert engine.sessions.delete("chat") and len(engine.sessions) == 0
     engine.kv.pool.check_all_free()
 
 
@@ -105,7 +105,7 @@ def test_session_with_a_diverging_prompt_recomputes_from_the_divergence(engine: 
     assert out.num_cached_tokens == 20
     engine.add_request("ref", list(range(10, 30)) + [99] * 10, params)
     assert drain(engine)["ref"].token_ids == out.token_ids
-    assert engine.expire_sessions(0.0) == 1
+    assert engine.sessions.expire(0.0) == 1
     engine.kv.pool.check_all_free()
 
 

@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,8 @@ import pytest
 import yaml
 
 from tandem.server import local
+
+from .up_helpers import start_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +46,7 @@ def _spec(tmp_path: Path, **spec) -> str:
 
 def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) -> None:
     topo = local.load_plan(_args(model=str(llama_dir)))
-    assert topo.mode == "Disaggregated" and topo.served_model_name == local.DEFAULT_NAME
+    assert topo.mode == "Disaggregated" and topo.served_model_name == llama_dir.name
     roles = {r.role: r for r in topo.roles}
     assert (roles["prefill"].replicas, roles["decode"].replicas) == (1, 1)
     args = roles["prefill"].args
@@ -137,48 +138,22 @@ def _port_open(url: str) -> bool:
         return False
 
 
-def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    env = dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
-    env.pop("TANDEM_PROXY_API_KEY", None)
-    env.pop("TANDEM_API_KEY", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tandem.server.cli",
-            "up",
-            "--port",
-            "0",
-            "--api-key",
-            "sk-up",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--grace",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(
+    tmp_path: Path, llama_dir: Path
+) -> None:
+    proc, base, lines = start_up(
+        ["--model", str(llama_dir), "--port", "0", "--api-key", "sk-up"]
+        + ["--log-dir", str(tmp_path / "logs"), "--grace", "10"],
+        dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache")),
+        timeout=180,
     )
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        base = None
-        while time.monotonic() < deadline and base is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"OpenAI base URL: (\S+)", line):
-                base = m.group(1)
-        assert base, "".join(lines)
         engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
         assert len(engine_urls) == 2
         client = openai.OpenAI(base_url=base, api_key="sk-up", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tandem-tiny"]
+        assert [m.id for m in client.models.list().data] == [llama_dir.name]
         r = client.chat.completions.create(
-            model="tandem-tiny",
+            model=llama_dir.name,
             messages=[{"role": "user", "content": "Hello"}],
             max_tokens=8,
             temperature=0,
@@ -187,7 +162,7 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(tmp_path
         text = "".join(
             c.choices[0].text
             for c in client.completions.create(
-                model="tandem-tiny",
+                model=llama_dir.name,
                 prompt="Once upon a time",
                 max_tokens=8,
                 temperature=0,

@@ -12,6 +12,7 @@ from tandem.operator.status import (
     DeploymentSummary,
     JobSummary,
     PodSummary,
+    as_patch,
     compute_status,
 )
 
@@ -91,7 +92,8 @@ def test_engine_pods_get_gpus_probes_and_a_drain() -> None:
     pod = objs[("Deployment", "svc-decode")]["spec"]["template"]["spec"]
     engine = pod["containers"][0]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert engine["resources"]["requests"] == {"cpu": "8", "nvidia.com/gpu": "4"}
+    # the given cpu request wins over the default; memory keeps the default (not BestEffort)
+    assert engine["resources"]["requests"] == {"cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "4"}
     args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == "4"
     assert args[-4:] == ["--host", "0.0.0.0", "--port", "8000"]
@@ -257,16 +259,29 @@ def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
+def ready_pods(*deployments: DeploymentSummary, layout: str | None = None) -> list[PodSummary]:
+    """The ready pods a Deployment's status counts, as the pod index holds them."""
+    role_of = {"both": "both"}
+    return [
+        PodSummary(role_of.get(d.role, d.role), True, kv_layout=layout)
+        for d in deployments
+        for _ in range(d.ready)
+    ]
+
+
+def status_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return as_patch(compute_status(*args, **kwargs))
+
+
 def test_status_ready_when_every_role_is_ready() -> None:
     svc = isvc(prefill={"replicas": 2})
-    kids = Children(
-        deployments=[
-            deployment("prefill", 2, 2),
-            deployment("decode", 1, 1),
-            deployment("proxy", 1, 1),
-        ]
-    )
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    deployments = [
+        deployment("prefill", 2, 2),
+        deployment("decode", 1, 1),
+        deployment("proxy", 1, 1),
+    ]
+    kids = Children(deployments=deployments, pods=ready_pods(*deployments))
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     assert status["phase"] == "Ready" and status["observedGeneration"] == 1
     assert status["url"] == "http://svc.ml.svc.cluster.local:8000/v1"
     assert status["prefill"] == {
@@ -294,7 +309,7 @@ def test_status_waiting_for_gpus_when_pods_are_unschedulable() -> None:
             PodSummary("decode", False, "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.")
         ],
     )
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     cond = conditions(status)
     assert cond["Ready"] == ("False", "WaitingForGPUs")
     assert cond["DecodeReady"] == ("False", "WaitingForGPUs") and cond["Degraded"] == (
@@ -313,7 +328,7 @@ def test_status_not_ready_until_the_new_generation_is_rolled_out() -> None:
             deployment("proxy", 1, 1),
         ]
     )
-    status = compute_status(svc, plan(svc), kids, observed_generation=2, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=2, now="t0")
     assert conditions(status)["Ready"][0] == "False"
     assert conditions(status)["Progressing"] == ("True", "RollingUpdate")
     # the spec was not applied yet: not Ready even if every Deployment looks done
@@ -324,13 +339,13 @@ def test_status_not_ready_until_the_new_generation_is_rolled_out() -> None:
             deployment("proxy", 1, 1),
         ]
     )
-    assert compute_status(svc, plan(svc), done, observed_generation=1, now="t0")["phase"] != "Ready"
+    assert status_dict(svc, plan(svc), done, observed_generation=1, now="t0")["phase"] != "Ready"
 
 
 def test_status_downloading_then_failed_download_is_degraded() -> None:
     svc = isvc(model={"name": "q", "uri": "hf://a/b"})
     kids = Children(deployments=[deployment("proxy", 1, 1)])
-    status = compute_status(svc, plan(svc), kids, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), kids, observed_generation=1, now="t0")
     assert status["phase"] == "Downloading" and conditions(status)["DecodeReady"] == (
         "False",
         "WaitingForModel",
@@ -339,25 +354,27 @@ def test_status_downloading_then_failed_download_is_degraded() -> None:
         deployments=kids.deployments,
         jobs=[JobSummary("svc-download-x", succeeded=False, failed=True)],
     )
-    status = compute_status(svc, plan(svc), failed, observed_generation=1, now="t0")
+    status = status_dict(svc, plan(svc), failed, observed_generation=1, now="t0")
     assert conditions(status)["Degraded"] == ("True", "DownloadFailed")
 
 
 def test_condition_transition_time_moves_only_on_a_change() -> None:
     svc = isvc()
-    ready = Children(
-        deployments=[
-            deployment("prefill", 1, 1),
-            deployment("decode", 1, 1),
-            deployment("proxy", 1, 1),
-        ]
-    )
+    deployments = [
+        deployment("prefill", 1, 1),
+        deployment("decode", 1, 1),
+        deployment("proxy", 1, 1),
+    ]
+    ready = Children(deployments=deployments, pods=ready_pods(*deployments))
     first = compute_status(svc, plan(svc), ready, 1, now="t0")
     again = compute_status(svc, plan(svc), ready, 1, now="t1", previous=first)
-    assert {c["lastTransitionTime"] for c in again["conditions"]} == {"t0"}
-    broken = Children(deployments=[deployment("prefill", 1, 0), *ready.deployments[1:]])
+    assert {c.last_transition_time for c in again.conditions} == {"t0"}
+    broken = Children(
+        deployments=[deployment("prefill", 1, 0), *ready.deployments[1:]],
+        pods=ready_pods(*ready.deployments[1:]),
+    )
     after = compute_status(svc, plan(svc), broken, 1, now="t2", previous=again)
-    times = {c["type"]: c["lastTransitionTime"] for c in after["conditions"]}
+    times = {c.type: c.last_transition_time for c in after.conditions}
     assert times["Ready"] == times["PrefillReady"] == "t2" and times["DecodeReady"] == "t0"
 
 

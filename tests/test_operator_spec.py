@@ -142,7 +142,11 @@ def test_every_rule_has_a_cel_twin_in_the_crd() -> None:
 def _assert_structural(schema: dict[str, Any], path: str = "") -> None:
     """Every node has a type (or preserves unknown fields); no $ref, anyOf or nullable tricks."""
     assert "$ref" not in schema and "anyOf" not in schema, path
-    assert "type" in schema or schema.get("x-kubernetes-preserve-unknown-fields"), path
+    assert (
+        "type" in schema
+        or schema.get("x-kubernetes-preserve-unknown-fields")
+        or schema.get("x-kubernetes-int-or-string")  # Kubernetes' IntOrString, structural
+    ), path
     for key, sub in (schema.get("properties") or {}).items():
         _assert_structural(sub, f"{path}.{key}")
     if isinstance(schema.get("items"), dict):
@@ -160,10 +164,27 @@ def test_crd_is_structural_with_status_subresource_and_printer_columns() -> None
         ["tandem"],
     )
     version = crd["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.decode.replicas",
+            "statusReplicasPath": ".status.decode.ready",
+            "labelSelectorPath": ".status.decodeSelector",
+        },
+    }
     _assert_structural(version["schema"]["openAPIV3Schema"])
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Mode", "Prefill", "Decode", "Ready", "URL", "Age"]
+    assert columns == [
+        "Model",
+        "Mode",
+        "Prefill",
+        "Decode",
+        "Ready",
+        "Reason",
+        "Phase",
+        "URL",
+        "Age",
+    ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["properties"]["mode"]["default"] == "Disaggregated"
     assert spec["properties"]["decode"]["default"] == {}

@@ -14,20 +14,21 @@ from tandem.server.engine.config import EngineConfig
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def drain(engine: LLMEngine, rid: str):
+def drain(engine: LLMEngine, rid: str, stream: bool = False):
+    """The request's whole output (a stream's deltas merged)."""
     out = None
     deadline = time.monotonic() + 60
     while out is None or not out.finished:
         assert time.monotonic() < deadline
         for o in engine.step():
             if o.request_id == rid:
-                out = o
+                out = out.merge(o) if stream and out is not None else o
     return out
 
 
 def run_pulls(engine: LLMEngine, client: KVTransportClient) -> None:
     """What the server's engine loop does with pull tasks, inline."""
-    for task in engine.take_pull_tasks():
+    for task in engine.handoff.take_pull_tasks():
         try:
             client.pull(task.lease_id, task.remote_block_ids, engine.kv_cache, task.local_block_ids)
             client.release(task.lease_id)
@@ -43,9 +44,12 @@ def pd(llama_dir: Path):
     )
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
     server = KVTransportServer(
-        prefill.kv_cache, prefill.leases.blocks, prefill.release_lease, layout=prefill.kv_layout
+        prefill.kv_cache,
+        prefill.handoff.leases.blocks,
+        prefill.handoff.release_lease,
+        layout=prefill.handoff.layout,
     ).start()
-    prefill.kv_transfer_address = server.address
+    prefill.handoff.address = server.address
     client = KVTransportClient(server.address, timeout_s=5)
     yield prefill, decode, client
     client.close()
@@ -70,11 +74,11 @@ def test_disaggregated_greedy_equals_aggregated_and_frees_everything(pd, llama_d
 
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     assert prefill.stats().num_leases == 1 and handle["remote_num_tokens"] == len(prompt)
-    assert client.layout() == decode.kv_layout
+    assert client.layout() == decode.handoff.layout
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle, stream=True)
     decode.step()
     run_pulls(decode, client)
-    out = drain(decode, "d")
+    out = drain(decode, "d", stream=True)
     assert out.token_ids == expected and out.error is None
     prefill.step()  # the release lands at the next step's sweep
     assert prefill.stats().num_leases == 0
@@ -91,7 +95,7 @@ def test_decode_prefix_hits_pull_only_the_missing_tail(pd) -> None:
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
-    (task,) = decode.take_pull_tasks()
+    (task,) = decode.handoff.take_pull_tasks()
     assert len(task.remote_block_ids) == len(handle["remote_block_ids"]) - 5
     client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
     decode.complete_pull("d")
@@ -100,12 +104,13 @@ def test_decode_prefix_hits_pull_only_the_missing_tail(pd) -> None:
 
 def test_unpulled_lease_expires_and_frees_the_prefill_blocks(llama_dir: Path) -> None:
     prefill = LLMEngine(
-        EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=0.2)
+        EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=8, kv_lease_seconds=30)
     )
     prefill_handoff(prefill, "p", list(range(5, 40)), GREEDY)
-    assert prefill.kv.stats().free_blocks < prefill.kv.stats().total_blocks
-    time.sleep(0.3)
-    assert prefill.sweep_leases() == 1 and prefill.leases.num_expired == 1
+    assert prefill.stats().free_blocks < prefill.stats().total_blocks
+    leases = prefill.handoff.leases
+    assert leases.sweep() == 0  # not yet: the clock is injected, nothing races it
+    assert leases.sweep(now=time.monotonic() + 31) == 1 and leases.num_expired == 1
     prefill.kv.pool.check_all_free()
 
 
@@ -119,7 +124,7 @@ def test_failed_pull_frees_decode_blocks(pd, llama_dir: Path, fallback: str) -> 
     )
     prompt = list(range(5, 50))
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
-    prefill.release_lease(handle["remote_lease_id"])
+    prefill.handoff.release_lease(handle["remote_lease_id"])
     prefill.step()  # the lease is gone: the pull must fail
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
@@ -140,9 +145,9 @@ def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
-    (task,) = decode.take_pull_tasks()
+    (task,) = decode.handoff.take_pull_tasks()
     decode.abort_request("d")
-    assert decode.kv.stats().free_blocks < decode.kv.stats().total_blocks  # still being written
+    assert decode.stats().free_blocks < decode.stats().total_blocks  # still being written
     client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
     decode.complete_pull("d")
     decode.kv.pool.check_all_free()
@@ -151,7 +156,7 @@ def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
 def test_layout_mismatch_is_reported_clearly(pd, llama_dir: Path) -> None:
     _, _, client = pd
     other = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=16))
-    problem = other.kv_layout.mismatch(client.layout())
+    problem = other.handoff.layout.mismatch(client.layout())
     assert problem is not None and "block_size: remote 8 vs local 16" in problem
 
 

@@ -7,7 +7,6 @@ engines: the handoff, the pull, the lease release, failures and the layout hands
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -151,7 +150,7 @@ def test_pull_of_a_released_lease_fails_cleanly(engines) -> None:
         timeout=10,
     )
     assert r.json()["success"] is True
-    time.sleep(1.2)  # swept
+    assert httpx.post(prefill.url + "/distserve/gc", timeout=10).json()["success"] is True
     r = httpx.post(
         decode.url + "/v1/completions", json={**BODY, "kv_transfer_params": handle}, timeout=60
     )

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.server.proxy.registration import register_engine
+from tandem.server.api.registration import register_engine
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, aborted_count, held, sse_events, wait_until
 from .test_proxy_helpers import (

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.server.proxy.registration import deregister_engine, register_engine
+from tandem.server.api.registration import deregister_engine, register_engine
 
 from .api_helpers import (
     ENGINE_FLAGS,

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from tandem.server.api.auth import Credentials
+from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
 from tandem.server.proxy.pd_flow import _finished_by_prefill, _stream_of, prefill_request
-from tandem.server.proxy.registration import node_body
 from tandem.server.proxy.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -431,3 +431,18 @@ def test_app_node_routes_in_process() -> None:
     assert list(_call(app, "GET", "/nodes/status").json()) == ["http://127.0.0.1:10"]
     r = _call(app, "POST", "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_pod_tracker_reads_each_engines_kv_layout() -> None:
+    """The operator labels engine pods with their KV layout; the proxy pairs by it."""
+    reg = Registry()
+    t = PodTracker(reg)
+    old, new = _pod("a"), _pod("b", ip="10.0.0.6", role="prefill")
+    old["metadata"]["labels"]["tandem.dev/kv-layout"] = "aaa"
+    new["metadata"]["labels"]["tandem.dev/kv-layout"] = "bbb"
+    t.apply("ADDED", old)
+    t.apply("ADDED", new)
+    assert {n.role: n.kv_layout for n in reg.nodes()} == {"decode": "aaa", "prefill": "bbb"}
+    new["metadata"]["labels"]["tandem.dev/kv-layout"] = "aaa"  # a relabelled pod is updated
+    t.apply("MODIFIED", new)
+    assert {n.kv_layout for n in reg.nodes()} == {"aaa"}

@@ -53,7 +53,7 @@ def test_idle_sessions_hold_at_most_their_share_of_the_pool(llama_dir: Path) -> 
     store = engine.sessions
     assert store.max_blocks == 16
     assert store.held_blocks <= 16
-    assert engine.num_sessions == 8  # the sessions stay; only their blocks went
+    assert len(engine.sessions) == 8  # the sessions stay; only their blocks went
     held = sum(len(s.block_ids) for s in store._sessions.values())
     assert held == store.held_blocks
     # the oldest session lost its blocks: its next turn recomputes and answers as stateless
@@ -63,14 +63,14 @@ def test_idle_sessions_hold_at_most_their_share_of_the_pool(llama_dir: Path) -> 
     engine.kv.pool.reset_prefix_cache()
     engine.add_request("ref", prompt, params)
     assert drain(engine)["ref"].token_ids == out.token_ids
-    assert engine.expire_sessions(0.0) == 8
+    assert engine.sessions.expire(0.0) == 8
     engine.kv.pool.check_all_free()
 
 
 def test_a_request_never_waits_on_session_blocks(llama_dir: Path) -> None:
     engine = _small_engine(llama_dir, 1.0)  # sessions may take the whole pool
     params = _fill_sessions(engine, 7)  # 28 of 32 blocks held by idle sessions
-    assert engine.stats().kv.free_blocks <= 4
+    assert engine.kv.pool.num_free <= 4
     big = list(range(300, 500))  # 200 + 8 tokens: 13 blocks
     engine.add_request("big", big, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()
@@ -78,7 +78,7 @@ def test_a_request_never_waits_on_session_blocks(llama_dir: Path) -> None:
     assert drain(engine)["big"].token_ids
     assert engine.sessions.held_blocks <= 32 - 13
     del params
-    engine.expire_sessions(0.0)
+    engine.sessions.expire(0.0)
     engine.kv.pool.check_all_free()
 
 

@@ -12,9 +12,8 @@ from .test_block_pool import make_request
 def run_step(s: Scheduler):
     """Pretend the model ran: advance each scheduled request and sample one token at its end."""
     batch = s.schedule()
-    for req, n in zip(batch.requests, batch.num_new_tokens):
-        req.num_computed_tokens += n
-        s.kv.cache_full_blocks(req)
+    s.update(batch)
+    for req in batch.requests:
         if req.num_computed_tokens == req.num_tokens:
             req.output_token_ids.append(7)
     return batch

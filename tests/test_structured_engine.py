@@ -176,4 +176,23 @@ def test_session_turns_each_follow_their_grammar(engine: LLMEngine) -> None:
     out2 = drain(engine)["t2"]
     assert out2.num_cached_tokens > 0
     assert valid_stops(out1.outputs + out2.outputs) == 2
-    engine.delete_session("s")
+    engine.sessions.delete("s")
+
+
+def test_a_step_mixing_constrained_and_free_rows_masks_only_the_constrained(
+    engine: LLMEngine,
+) -> None:
+    """The model returns inference tensors; a step with a grammar row and a free row masks the
+    first in place and leaves the second alone (it once raised outside inference mode)."""
+    from tandem.server.engine.structured import apply_grammar_masks
+
+    spec = GrammarSpec("regex", "ok")
+    seq = engine.grammars.sequence(engine.grammars.submit(spec).result(), spec)
+    vocab = engine.model_config.vocab_size
+    with torch.inference_mode():
+        logits = torch.zeros(2, vocab)
+    apply_grammar_masks(logits, [seq, None])
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and len(allowed) < vocab
+    assert engine.tokenizer.decode([allowed[0]]) in ("o", "ok")
+    assert torch.isfinite(logits[1]).all()

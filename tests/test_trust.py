@@ -21,12 +21,12 @@ from tandem.server.api.app import build_app, transport_key
 from tandem.server.api.auth import Credentials, load_credentials
 from tandem.server.api.state import ServerSettings
 from tandem.server.disagg import trust
-from tandem.server.disagg.kv_transfer import PullTask
 from tandem.server.disagg.puller import KVPuller
 from tandem.server.disagg.transport import KVTransportClient, KVTransportServer, TransportError
 from tandem.server.engine import LLMEngine
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.kv_cache import KVCache
+from tandem.server.engine.kv_transfer import PullTask
 from tandem.server.proxy.app import ProxySettings
 from tandem.server.proxy.app import build_app as build_proxy
 
@@ -113,10 +113,14 @@ def test_finding1_decode_reads_blocks_only_from_a_peer_holding_the_secret(engine
     # A fake prefill server speaking the transport protocol, without the internal secret,
     # serving a lease of its own with garbage blocks.
     fake = KVTransportServer(
-        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.kv_layout
+        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.handoff.layout
     ).start()
     real = KVTransportServer(
-        prefill.kv_cache, {lease: [1, 2]}.get, lambda _: True, layout=prefill.kv_layout, key=KEY
+        prefill.kv_cache,
+        {lease: [1, 2]}.get,
+        lambda _: True,
+        layout=prefill.handoff.layout,
+        key=KEY,
     ).start()
     before = decode.kv_cache.data.clone()
     try:
@@ -179,10 +183,14 @@ def _threads() -> int:
 def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> None:
     prefill, decode = engines
     real = KVTransportServer(
-        prefill.kv_cache, {"lease-2": [1, 2]}.get, lambda _: True, layout=prefill.kv_layout, key=KEY
+        prefill.kv_cache,
+        {"lease-2": [1, 2]}.get,
+        lambda _: True,
+        layout=prefill.handoff.layout,
+        key=KEY,
     ).start()
     held = HeldPeer()
-    puller = KVPuller(lambda: decode.kv_layout, max_workers=4, timeout_s=60, key=KEY)
+    puller = KVPuller(lambda: decode.handoff.layout, max_workers=4, timeout_s=60, key=KEY)
     results: dict[str, str | None] = {}
     finished = threading.Event()
 
@@ -208,7 +216,7 @@ def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> Non
         assert puller.num_peers == 1  # the failed peer's socket is closed, the good one kept
 
         # Every dead address used to keep a ZMQ context (and its I/O thread) forever.
-        quick = KVPuller(lambda: decode.kv_layout, timeout_s=0.2, key=KEY)
+        quick = KVPuller(lambda: decode.handoff.layout, timeout_s=0.2, key=KEY)
         start = _threads()
         for _ in range(12):
             with socket.socket() as s:
@@ -393,3 +401,32 @@ def test_finding4_a_client_key_administers_nothing_at_the_proxy() -> None:
             headers=bearer(key),
         )
         assert r.status_code == 403 and r.json()["error"]["code"] == "kv_transfer_forbidden"
+
+
+def test_a_proxy_without_client_keys_serves_keyless_clients_and_nothing_more() -> None:
+    """`tandem up` with no --api-key: clients need no key, the admin and internal planes
+    stay closed, and kv_transfer_params is still refused."""
+    app = build_proxy(ProxySettings(credentials=Credentials(internal_key=INTERNAL)))
+    for headers in ({}, bearer("EMPTY")):
+        assert _call(app, "GET", "/v1/models", headers=headers).status_code == 200
+        for method, path in PROXY_ADMIN_ROUTES:
+            r = _call(app, method, path, json={"url": "http://127.0.0.1:1"}, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+        r = _call(
+            app,
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+            headers=headers,
+        )
+        assert r.status_code == 403
+    assert _call(app, "GET", "/nodes/status", headers=bearer(INTERNAL)).status_code == 200
+
+
+def test_keyless_callers_reach_an_engine_only_when_it_is_no_pd_back_end() -> None:
+    back_end = ServerSettings(model_dir="m", served_model_name="m", internal_api_key=INTERNAL)
+    assert back_end.credentials.principal(b"") is None
+    assert back_end.credentials.principal(bearer(INTERNAL)["Authorization"].encode()) == "internal"
+    admin_only = ServerSettings(model_dir="m", served_model_name="m", admin_api_key=ADMIN)
+    assert admin_only.credentials.principal(b"Bearer EMPTY") == "anonymous"
+    assert admin_only.credentials.principal(bearer(ADMIN)["Authorization"].encode()) == "admin"

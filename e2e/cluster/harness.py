@@ -32,6 +32,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 _STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
 
+GANG_FEATURE_GATES = "GenericWorkload=true,GangScheduling=true"
+
+
 class ClusterError(RuntimeError):
     """The control plane failed to start or a component died."""
 
@@ -329,6 +332,10 @@ class Cluster:
             # Endpoints may not point at loopback; nothing here needs them.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            # Kubernetes' own gang scheduling (alpha in 1.36): the PodGroup API and the
+            # scheduler's GangScheduling plugin, which the operator's --gang-scheduling uses.
+            f"--feature-gates={GANG_FEATURE_GATES}",
+            "--runtime-config=scheduling.k8s.io/v1alpha2=true",
         ]
 
     def _controller_manager_args(self, certs: pki.Pki) -> list[str]:
@@ -337,6 +344,7 @@ class Cluster:
             "--bind-address=127.0.0.1",
             "--secure-port=0",
             "--controllers=*",
+            f"--feature-gates={GANG_FEATURE_GATES}",
             "--use-service-account-credentials=true",
             f"--service-account-private-key-file={certs.sa_key}",
             f"--root-ca-file={certs.ca.cert}",
@@ -351,6 +359,7 @@ class Cluster:
             "--bind-address=127.0.0.1",
             "--secure-port=0",
             "--profiling=false",
+            f"--feature-gates={GANG_FEATURE_GATES}",
         ]
 
     def _kwok_args(self) -> list[str]:

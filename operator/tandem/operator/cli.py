@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("Always", "IfNotPresent", "Never"),
     )
     parser.add_argument(
+        "--gang-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("TANDEM_GANG_SCHEDULING", "") == "true",
+        help="admit each Disaggregated service's prefill and decode pods together (Kubernetes' "
+        "PodGroup API: feature gates GenericWorkload and GangScheduling, "
+        "scheduling.k8s.io/v1alpha2 enabled; default: $TANDEM_GANG_SCHEDULING)",
+    )
+    parser.add_argument(
         "--peering",
         default=os.environ.get("TANDEM_PEERING") or None,
         help="kopf peering name for leader election among operator replicas "
@@ -73,20 +81,24 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.log_level != "debug":
         logging.getLogger("kopf").setLevel(logging.WARNING)  # one line per handled event is noise
-    options = RenderOptions(image=args.image, image_pull_policy=args.image_pull_policy)
+    options = RenderOptions(
+        image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        gang_scheduling=args.gang_scheduling,
+    )
     if args.render:
         return _render(args.render, options)
 
     import kopf
 
-    from .handlers import OperatorOptions, build_registry
+    from .handlers import OperatorOptions, operator_memo
     from .kube import load_config
 
     load_config(args.kubeconfig)  # sets the default client configuration that kopf's login uses
     namespaces = args.namespaces or [
         n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n
     ]
-    registry = build_registry(
+    memo = operator_memo(
         OperatorOptions(
             render=options,
             resync_seconds=args.resync_seconds,
@@ -95,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     kopf.run(
-        registry=registry,
+        memo=memo,
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=not args.peering,

@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from . import spec as s
+from .kubeschema import KubeSchema
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
@@ -41,9 +42,22 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "type": "string",
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
     },
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+        "description": "why the service is (not) Ready; kubectl describe shows the message",
+    },
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
+
+SCALE = {
+    "specReplicasPath": ".spec.decode.replicas",
+    "statusReplicasPath": ".status.decode.ready",
+    "labelSelectorPath": ".status.decodeSelector",
+}
 
 NAME_MAX = s.NAME_MAX
 CRD_NAME = f"{s.PLURAL}.{s.GROUP}"
@@ -119,7 +133,8 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     required: list[str] = []
     for name, info in model.model_fields.items():
         key = info.alias or name
-        schema = type_schema(info.annotation)
+        kube = next((m for m in info.metadata if isinstance(m, KubeSchema)), None)
+        schema = kube.schema() if kube else type_schema(info.annotation)
         schema.update(_constraints(info))
         default = _default(info)
         if default is not None:
@@ -190,7 +205,9 @@ def crd() -> dict[str, Any]:
                     "name": s.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale tisvc` scales the decode pool (in Aggregated mode the
+                    # only pool): decode replicas bound concurrent streams.
+                    "subresources": {"status": {}, "scale": SCALE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": root},
                 }

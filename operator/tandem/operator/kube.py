@@ -24,9 +24,11 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
+    "PodGroup": "podgroups",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
     "InferenceService": "inferenceservices",
@@ -37,6 +39,18 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, body: str, what: str) -> None:
         super().__init__(f"{what}: HTTP {status}: {body[:500]}")
         self.status = status
+        self.body = body
+        self.message = f"{what}: {api_message(body) or f'HTTP {status}'}"
+        """What the API server said (its Status message), for a condition a user reads."""
+
+
+def api_message(body: str) -> str | None:
+    """The ``message`` of a Kubernetes ``Status`` response body, if it is one."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data.get("message") if isinstance(data, dict) else None
 
 
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
@@ -95,14 +109,19 @@ class Kube:
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """Server-side apply as the operator's field manager; ``force`` takes fields back
-        from a human's ``kubectl edit`` (the spec is the source of truth)."""
-        return self.request(
-            "PATCH",
-            object_path(manifest),
-            manifest,
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            content_type="application/apply-patch+yaml",
-        )
+        from a human's ``kubectl edit`` (the spec is the source of truth). A failure names
+        the object (``apply Deployment/x``) beside the API server's message."""
+        try:
+            return self.request(
+                "PATCH",
+                object_path(manifest),
+                manifest,
+                query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+                content_type="application/apply-patch+yaml",
+            )
+        except KubeError as exc:
+            what = f"apply {manifest['kind']}/{manifest['metadata']['name']}"
+            raise KubeError(exc.status, exc.body, what) from None
 
     def create_if_absent(self, manifest: dict[str, Any]) -> bool:
         """Create once, never update (a generated credential must not change under running
@@ -134,13 +153,43 @@ class Kube:
             ok_missing=True,
         )
 
+    def post_event(
+        self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str
+    ) -> None:
+        """A core/v1 Event on ``involved`` (what `kubectl describe` and `get events` show).
+        Posted synchronously, so an operator that stops right after loses none."""
+        meta = involved["metadata"]
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved["apiVersion"],
+                "kind": involved["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
+
     def list(
-        self, api_version: str, kind: str, namespace: str, selector: str
+        self, api_version: str, kind: str, namespace: str, selector: str, ok_missing: bool = False
     ) -> list[dict[str, Any]]:
+        """``ok_missing``: an API the cluster does not serve (a CRD not installed) lists empty."""
         data = self.request(
             "GET",
             collection_path(api_version, kind, namespace),
             query=[("labelSelector", selector)],
+            ok_missing=ok_missing,
         )
         return list((data or {}).get("items") or [])
 

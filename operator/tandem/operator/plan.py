@@ -7,6 +7,8 @@ is what lets the two agree: an InferenceService YAML means the same engines eith
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,6 +78,8 @@ class Topology:
     model: ModelSource
     engine_selector: str
     roles: list[RolePlan] = field(default_factory=list)
+    kv_layout: str = ""
+    """Hash of the settings that decide the KV cache's layout (see :func:`kv_layout`)."""
 
     def role(self, role: RoleName) -> RolePlan | None:
         return next((r for r in self.roles if r.role == role), None)
@@ -123,6 +127,24 @@ def engine_flags(isvc: InferenceService) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+# EngineSpec fields that change what a KV block holds or how it is laid out: a prefill engine
+# and a decode engine can hand KV blocks over only when these agree.
+KV_LAYOUT_FIELDS = ("dtype", "block_size")
+
+
+def kv_layout(isvc: InferenceService) -> str:
+    """A short hash of the model and the KV-layout settings. Every engine carries it (a pod
+    label); the proxy pairs a prefill engine only with a decode engine of the same hash, so
+    a rollout that changes the layout never pairs an old prefill with a new decode."""
+    spec = isvc.spec
+    settings = {
+        "uri": spec.model.uri,
+        "revision": spec.model.revision,
+        **{f: getattr(spec.engine, f) for f in KV_LAYOUT_FIELDS},
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def engine_selector(name: str) -> str:
@@ -216,4 +238,5 @@ def plan(
         model=source,
         engine_selector=selector,
         roles=roles,
+        kv_layout=kv_layout(isvc),
     )

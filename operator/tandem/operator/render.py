@@ -4,16 +4,18 @@ Every object carries the ``app.kubernetes.io/*`` and ``tandem.dev/*`` labels and
 InferenceService has a uid, a controller owner reference to it, so deleting the
 InferenceService lets the garbage collector remove everything rendered here. Fields that
 another controller owns are left out on purpose: an autoscaled role's Deployment has no
-``replicas`` (the HorizontalPodAutoscaler writes it), so server-side apply never fights it.
+``replicas`` (its HPA, ScaledObject or the planner writes it), so server-side apply never fights it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from .autoscaling import autoscaler_objects, scrape_annotations
 from .plan import (
     COMPONENT_LABEL,
     ENGINE_SELECTOR_LABEL,
@@ -23,11 +25,13 @@ from .plan import (
     Topology,
     plan,
 )
-from .spec import API_VERSION, GPU_RESOURCE, KIND, InferenceService, Resources
+from .spec import API_VERSION, GPU_RESOURCE, KIND, InferenceService, PodTemplate, Resources
 
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem:0.1.0"
 ROLE_LABEL = "tandem.dev/role"
 MODEL_ANNOTATION = "tandem.dev/served-model-name"
+KV_LAYOUT_LABEL = "tandem.dev/kv-layout"
+MODEL_CACHED_ANNOTATION = "tandem.dev/cached-model"
 MANAGER = "tandem-operator"
 PRESTOP_SECONDS = 5  # let the proxy and EndpointSlices drop the pod before SIGTERM
 GRACE_MARGIN_SECONDS = 10
@@ -37,10 +41,19 @@ METRICS_SCRAPER_LABEL = "tandem.dev/metrics-scraper"
 
 Manifest = dict[str, Any]
 
+# Requests when a role's resources leave them unset: pods are Burstable, not BestEffort, so
+# the scheduler reserves room for the weights' host copy and the tokenizer threads.
+DEFAULT_REQUESTS = {
+    "engine": {"cpu": "2", "memory": "8Gi"},
+    "proxy": {"cpu": "250m", "memory": "256Mi"},
+    "download": {"cpu": "500m", "memory": "1Gi"},
+}
+
 DOWNLOAD_SCRIPT = (
     "import os, sys\n"
     "from huggingface_hub import snapshot_download\n"
     "repo, revision, target = sys.argv[1:4]\n"
+    "if os.path.exists(os.path.join(target, '.tandem-complete')): sys.exit(0)\n"
     "snapshot_download(repo_id=repo, revision=revision, local_dir=target, token=os.environ.get('HF_TOKEN'))\n"
     "open(os.path.join(target, '.tandem-complete'), 'w').close()\n"
 )
@@ -54,6 +67,10 @@ class RenderOptions:
     image_pull_policy: str = "IfNotPresent"
     model_ready: bool = True
     """False while an hf:// download Job has not succeeded: engines are not rendered yet."""
+    model_cached: bool = False
+    """The cache claim already holds the model (a retained cache): no download Job."""
+    gang_scheduling: bool = False
+    """Admit a Disaggregated service's engines as a gang (Kubernetes' PodGroup API)."""
 
 
 def labels(topology: Topology, component: str, role: str | None = None) -> dict[str, str]:
@@ -106,6 +123,11 @@ def cache_claim_name(isvc: InferenceService) -> str:
     return cache.claim_name if cache and cache.claim_name else f"{isvc.metadata.name}-model-cache"
 
 
+def cached_model_key(topology: Topology) -> str:
+    """What the cache claim's annotation says once the model is downloaded into it."""
+    return f"{topology.model.repo_id}@{topology.model.revision}"
+
+
 def service_url(isvc: InferenceService) -> str:
     """The in-cluster OpenAI endpoint."""
     port = isvc.spec.proxy.service.port
@@ -125,8 +147,8 @@ def _meta(
     return meta
 
 
-def _resources(resources: Resources | None, gpus: int) -> dict[str, Any]:
-    requests = dict(resources.requests) if resources else {}
+def _resources(resources: Resources | None, gpus: int, kind: str) -> dict[str, Any]:
+    requests = {**DEFAULT_REQUESTS[kind], **(resources.requests if resources else {})}
     limits = dict(resources.limits) if resources else {}
     if gpus > 0:
         limits[GPU_RESOURCE] = str(gpus)
@@ -265,7 +287,7 @@ def engine_deployment(
         "args": [*role.args, "--host", "0.0.0.0", "--port", str(role.port)],
         "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
         "env": [*_env(role.env), internal_credential_env(topology)],
-        "resources": _resources(role.spec.resources, role.gpus),
+        "resources": _resources(role.spec.resources, role.gpus, "engine"),
         # Loading weights can take many minutes: the startup probe allows startupTimeoutSeconds
         # before liveness starts counting; readiness is "the model is being served".
         "startupProbe": {
@@ -305,8 +327,28 @@ def engine_deployment(
         pod_spec["tolerations"] = [dict(t) for t in rs.tolerations]
     if rs.affinity:
         pod_spec["affinity"] = dict(rs.affinity)
+    if rs.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [dict(t) for t in rs.topology_spread_constraints]
     if rs.priority_class_name:
         pod_spec["priorityClassName"] = rs.priority_class_name
+    template = {
+        "metadata": {
+            "labels": {
+                **labels(topology, "engine", role.role),
+                KV_LAYOUT_LABEL: topology.kv_layout,
+            },
+            # the proxy's discovery reads the model name from here
+            "annotations": {
+                MODEL_ANNOTATION: topology.served_model_name,
+                **scrape_annotations(role.port),
+            },
+        },
+        "spec": pod_spec,
+    }
+    if options.gang_scheduling and topology.mode == "Disaggregated":
+        pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(topology)}
+    if rs.pod_template:
+        template = merge_pod_template(template, rs.pod_template)
     spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(topology, role.role)},
         # Surge first so capacity never drops during a roll (it waits for a free GPU slot).
@@ -315,22 +357,37 @@ def engine_deployment(
             "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
         },
         "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
-        "template": {
-            "metadata": {
-                "labels": labels(topology, "engine", role.role),
-                # the proxy's discovery reads the model name from here
-                "annotations": {MODEL_ANNOTATION: topology.served_model_name},
-            },
-            "spec": pod_spec,
-        },
+        "template": template,
     }
     if role.autoscaling is None:
-        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its HPA
+        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(isvc, topology, name, "engine", role.role),
         "spec": spec,
+    }
+
+
+GANG_MIN_COUNT = 2
+"""One prefill and one decode pod: the smallest set that serves. PodGroup's minCount is
+immutable, so it cannot follow the replica counts without renaming the group (and so
+rolling every pod) on each scale; pods added later to an admitted group schedule alone."""
+
+
+def pod_group_name(topology: Topology) -> str:
+    return f"{topology.name}-engines"
+
+
+def pod_group(isvc: InferenceService, topology: Topology) -> Manifest:
+    """Kubernetes' gang scheduling (scheduling.k8s.io/v1alpha2, alpha in 1.36): the scheduler
+    binds none of the engine pods until a prefill and a decode pod can be bound together,
+    so a half-scheduled service holds no GPU."""
+    return {
+        "apiVersion": "scheduling.k8s.io/v1alpha2",
+        "kind": "PodGroup",
+        "metadata": _meta(isvc, topology, pod_group_name(topology), "engine"),
+        "spec": {"schedulingPolicy": {"gang": {"minCount": GANG_MIN_COUNT}}},
     }
 
 
@@ -358,31 +415,8 @@ def pod_disruption_budget(isvc: InferenceService, topology: Topology, role: Role
         "spec": {
             "maxUnavailable": max_unavailable,
             "selector": {"matchLabels": selector_labels(topology, role.role)},
-        },
-    }
-
-
-def autoscaler(isvc: InferenceService, topology: Topology, role: RolePlan) -> Manifest:
-    assert role.autoscaling is not None
-    a = role.autoscaling
-    name = pool_name(topology, role)
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(isvc, topology, name, "engine", role.role),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicas": a.min_replicas,
-            "maxReplicas": a.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": a.metric},
-                        "target": {"type": "AverageValue", "averageValue": a.target_average_value},
-                    },
-                }
-            ],
+            # a crash-looping pod must not block draining its node
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -414,7 +448,7 @@ def proxy_objects(
         "imagePullPolicy": isvc.spec.engine.image_pull_policy or options.image_pull_policy,
         "args": args,
         "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
-        "resources": _resources(proxy.resources, 0),
+        "resources": _resources(proxy.resources, 0, "proxy"),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {
             "tcpSocket": {"port": "http"},
@@ -432,7 +466,10 @@ def proxy_objects(
             "replicas": role.replicas,
             "selector": {"matchLabels": selector_labels(topology, "proxy")},
             "template": {
-                "metadata": {"labels": labels(topology, "proxy", "proxy")},
+                "metadata": {
+                    "labels": labels(topology, "proxy", "proxy"),
+                    "annotations": scrape_annotations(role.port),
+                },
                 "spec": {
                     "serviceAccountName": name,
                     "containers": [container],
@@ -510,6 +547,12 @@ def model_objects(
     cache = isvc.spec.model.cache
     claim = cache_claim_name(isvc)
     if not (cache and cache.claim_name):
+        retain = cache.retain if cache else True
+        meta = _meta(isvc, topology, claim, "model-cache")
+        if retain:  # no owner: the garbage collector leaves it when the service goes
+            del meta["ownerReferences"]
+        if options.model_ready:
+            meta["annotations"] = {MODEL_CACHED_ANNOTATION: cached_model_key(topology)}
         pvc_spec: dict[str, Any] = {
             "accessModes": list(cache.access_modes if cache else ["ReadWriteMany"]),
             "resources": {"requests": {"storage": cache.size if cache else "100Gi"}},
@@ -520,7 +563,7 @@ def model_objects(
             {
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
-                "metadata": _meta(isvc, topology, claim, "model-cache"),
+                "metadata": meta,
                 "spec": pvc_spec,
             }
         )
@@ -540,9 +583,12 @@ def model_objects(
         "imagePullPolicy": isvc.spec.engine.image_pull_policy or options.image_pull_policy,
         "command": ["python", "-c", DOWNLOAD_SCRIPT, source.repo_id, source.revision, source.path],
         "env": env,
+        "resources": _resources(None, 0, "download"),
         "volumeMounts": [{"name": "model", "mountPath": MODEL_CACHE_MOUNT}],
         "securityContext": _container_security(),
     }
+    if options.model_cached:
+        return out
     job_meta = _meta(isvc, topology, download_job_name(topology), "model-download")
     out.append(
         {
@@ -577,14 +623,64 @@ def render(
     topology = topology or plan(isvc)
     out = model_objects(isvc, topology, options)
     out.append(network_policy(isvc, topology))
+    if options.gang_scheduling and topology.mode == "Disaggregated":
+        out.append(pod_group(isvc, topology))
     for role in topology.roles:
         if not role.is_engine:
             out += proxy_objects(isvc, topology, role, options)
             continue
         out.append(engine_service(isvc, topology, role))
         out.append(pod_disruption_budget(isvc, topology, role))
-        if role.autoscaling is not None:
-            out.append(autoscaler(isvc, topology, role))
+        out += autoscaler_objects(
+            role.autoscaling,
+            _meta(isvc, topology, pool_name(topology, role), "engine", role.role),
+            pool_name(topology, role),
+            role.role,
+            role.autoscaling.metric if role.autoscaling else "",
+        )
         if options.model_ready or topology.model.kind != "hf":
             out.append(engine_deployment(isvc, topology, role, options))
     return out
+
+
+# Strategic-merge keys of the pod fields a podTemplate may set (Kubernetes' patchMergeKey).
+MERGE_KEYS = {"containers": "name", "volumes": "name", "volumeMounts": "mountPath", "env": "name"}
+
+
+def _merge(base: Any, patch: Any, key: str | None = None) -> Any:
+    """Kubernetes' strategic merge of ``patch`` into ``base`` for the keys in MERGE_KEYS:
+    maps merge, keyed lists merge item by item, other lists and scalars replace."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v, k) if k in base else copy.deepcopy(v)
+        return out
+    merge_key = MERGE_KEYS.get(key or "")
+    if merge_key and isinstance(base, list) and isinstance(patch, list):
+        out_list = [dict(item) for item in base]
+        index = {item.get(merge_key): i for i, item in enumerate(out_list)}
+        for item in patch:
+            at = index.get(item.get(merge_key))
+            if at is None:
+                out_list.append(copy.deepcopy(item))
+            else:
+                out_list[at] = _merge(out_list[at], item)
+        return out_list
+    return copy.deepcopy(patch)
+
+
+def merge_pod_template(template: Manifest, override: PodTemplate) -> Manifest:
+    """A role's ``podTemplate`` merged into its rendered pod template. The rendered labels
+    the selectors and the proxy depend on win over an override of the same key."""
+    patch = {
+        "metadata": override.metadata.model_dump(by_alias=True),
+        "spec": override.spec.model_dump(by_alias=True, exclude_none=True),
+    }
+    patch["metadata"] = {k: v for k, v in patch["metadata"].items() if v}
+    patch["spec"] = {k: v for k, v in patch["spec"].items() if v}
+    merged = _merge(template, patch)
+    merged["metadata"]["labels"] = {
+        **override.metadata.labels,
+        **template["metadata"]["labels"],
+    }
+    return merged

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from .kubeschema import KubeSchema
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -80,6 +82,11 @@ class ModelCache(_Model):
     access_modes: list[str] = Field(
         default_factory=lambda: ["ReadWriteMany"],
         description="Access modes of the cache PVC (engines on many nodes read it)",
+    )
+    retain: bool = Field(
+        True,
+        description="Keep the cache PVC when the InferenceService is deleted; a new one of the "
+        "same name and model adopts it without downloading again",
     )
 
 
@@ -223,11 +230,29 @@ class EngineSpec(_Model):
     )
 
 
-class Autoscaling(_Model):
-    """A HorizontalPodAutoscaler for a role; the operator then never writes that role's replicas."""
+AUTOSCALING_BACKENDS = ("HPA", "KEDA", "Planner")
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
-    min_replicas: int = Field(1, ge=1, description="Fewest replicas")
+
+class Autoscaling(_Model):
+    """Who sets a role's replicas: an HPA, a KEDA ScaledObject, or the operator's SLO planner.
+
+    The operator then never writes that role's replicas in the Deployment it applies.
+    """
+
+    backend: Literal["HPA", "KEDA", "Planner"] = Field(
+        "HPA",
+        description="HPA: a HorizontalPodAutoscaler on a custom metric; KEDA: a ScaledObject "
+        "with a Prometheus trigger on the same metric (and scale to zero); Planner: the "
+        "operator sizes prefill and decode together from spec.slo",
+    )
+    min_replicas: int = Field(
+        1, ge=0, description="Fewest replicas; 0 (KEDA or Planner) scales the pool to zero"
+    )
     max_replicas: int = Field(..., ge=1, description="Most replicas")
+    prometheus_address: str = Field(
+        DEFAULT_PROMETHEUS, description="Prometheus that KEDA's trigger queries (backend KEDA)"
+    )
     metric: str = Field(
         "tandem_num_requests_waiting",
         description="Per-pod custom metric the autoscaler averages: the engine's "
@@ -242,6 +267,30 @@ class Autoscaling(_Model):
             "autoscaling.minReplicas must not exceed maxReplicas",
             lambda a: a.min_replicas <= a.max_replicas,
         ),
+        Rule(
+            "self.minReplicas > 0 || self.backend != 'HPA'",
+            "autoscaling.minReplicas 0 needs backend KEDA or Planner (an HPA cannot scale to zero)",
+            lambda a: a.min_replicas > 0 or a.backend != "HPA",
+            field=".minReplicas",
+        ),
+    )
+
+
+class SloSpec(_Model):
+    """The latency a Disaggregated service promises; the planner sizes both pools to keep it."""
+
+    ttft_ms: float = Field(..., gt=0, description="Time to first token target, milliseconds")
+    itl_ms: float = Field(
+        ..., gt=0, description="Mean inter-token latency target per request, milliseconds"
+    )
+    attainment: float = Field(
+        0.99, ge=0.5, lt=1, description="Fraction of requests that must meet both targets"
+    )
+    profile_config_map: str = Field(
+        ...,
+        min_length=1,
+        description="ConfigMap whose key profile.json holds the engine's performance profile "
+        "(bench/ measures it)",
     )
 
 
@@ -255,6 +304,46 @@ class Resources(_Model):
 def _gpu_limit_agrees(role: RoleSpec) -> bool:
     given = role.resources.limits.get(GPU_RESOURCE) if role.resources else None
     return given is None or given.strip() == str(role.gpus)
+
+
+class PodTemplateMeta(_Model):
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations")
+
+
+class PodTemplateOverride(_Model):
+    """Pod fields merged into the rendered pod as a strategic merge patch would: a container
+    named like the rendered one (``engine``) merges into it (its ``volumeMounts`` and ``env``
+    by name), other containers are sidecars; ``volumes`` merge by name; scalars replace."""
+
+    containers: Annotated[list[dict[str, Any]], KubeSchema("V1Container", list_of=True)] = Field(
+        default_factory=list, description="Sidecars, or 'engine' to merge into the engine"
+    )
+    volumes: Annotated[list[dict[str, Any]], KubeSchema("V1Volume", list_of=True)] = Field(
+        default_factory=list, description="Extra volumes"
+    )
+    scheduler_name: str | None = Field(None, description="Scheduler for the pods")
+    priority_class_name: str | None = Field(None, description="Pod priority class")
+    runtime_class_name: str | None = Field(None, description="RuntimeClass (e.g. nvidia)")
+    service_account_name: str | None = Field(None, description="ServiceAccount of the pods")
+
+
+class PodTemplate(_Model):
+    """Per-role overrides of the rendered pod template."""
+
+    metadata: PodTemplateMeta = Field(
+        default_factory=PodTemplateMeta, description="Extra labels and annotations"
+    )
+    spec: PodTemplateOverride = Field(
+        default_factory=PodTemplateOverride, description="Pod spec fields merged in"
+    )
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+POWERS_OF_TWO_64 = "[1, 2, 4, 8, 16, 32, 64]"
 
 
 class RoleSpec(_Model):
@@ -274,9 +363,19 @@ class RoleSpec(_Model):
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels the pods require"
     )
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations")
-    affinity: dict[str, Any] | None = Field(None, description="Pod affinity")
+    tolerations: Annotated[list[dict[str, Any]], KubeSchema("V1Toleration", list_of=True)] = Field(
+        default_factory=list, description="Pod tolerations"
+    )
+    affinity: Annotated[dict[str, Any] | None, KubeSchema("V1Affinity")] = Field(
+        None, description="Pod affinity"
+    )
+    topology_spread_constraints: Annotated[
+        list[dict[str, Any]], KubeSchema("V1TopologySpreadConstraint", list_of=True)
+    ] = Field(default_factory=list, description="Pod topology spread constraints")
     priority_class_name: str | None = Field(None, description="Pod priority class")
+    pod_template: PodTemplate | None = Field(
+        None, description="Labels, annotations, volumes, sidecars... merged into the pods"
+    )
     max_unavailable: int = Field(
         1, ge=0, description="Pods a voluntary disruption may take at once (PodDisruptionBudget)"
     )
@@ -286,6 +385,12 @@ class RoleSpec(_Model):
             "!(has(self.replicas) && has(self.autoscaling))",
             "replicas and autoscaling are mutually exclusive",
             lambda r: not (r.replicas is not None and r.autoscaling is not None),
+        ),
+        Rule(
+            f"!has(self.gpus) || self.gpus == 0 || {POWERS_OF_TWO_64}.exists(p, p == self.gpus)",
+            "gpus (the tensorParallelSize) must be 0 or a power of two",
+            lambda r: r.gpus == 0 or _power_of_two(r.gpus),
+            field=".gpus",
         ),
         Rule(
             "!has(self.tensorParallelSize) || self.tensorParallelSize == self.gpus",
@@ -362,6 +467,9 @@ class InferenceServiceSpec(_Model):
         description="Decode pool; in Aggregated mode the pool that serves everything",
     )
     proxy: ProxySpec = Field(default_factory=ProxySpec, description="The proxy and its Service")
+    slo: SloSpec | None = Field(
+        None, description="Latency targets the planner sizes prefill and decode for"
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -370,7 +478,33 @@ class InferenceServiceSpec(_Model):
             lambda s: s.mode != "Aggregated" or s.prefill is None,
             field=".prefill",
         ),
+        Rule(
+            "!has(self.slo) || (self.mode == 'Disaggregated' && has(self.prefill)"
+            " && has(self.prefill.autoscaling) && self.prefill.autoscaling.backend == 'Planner'"
+            " && has(self.decode.autoscaling) && self.decode.autoscaling.backend == 'Planner')",
+            "slo needs mode Disaggregated and prefill.autoscaling and decode.autoscaling with "
+            "backend Planner (their min/max bound the planner)",
+            lambda s: s.slo is None or _planned(s, both=True),
+            field=".slo",
+        ),
+        Rule(
+            "has(self.slo) || ((!has(self.prefill) || !has(self.prefill.autoscaling)"
+            " || self.prefill.autoscaling.backend != 'Planner') && (!has(self.decode.autoscaling)"
+            " || self.decode.autoscaling.backend != 'Planner'))",
+            "autoscaling backend Planner needs spec.slo",
+            lambda s: s.slo is not None or not _planned(s, both=False),
+        ),
     )
+
+
+def _planned(spec: InferenceServiceSpec, both: bool) -> bool:
+    """Whether both (or any) of prefill and decode are autoscaled by the planner."""
+    roles = [spec.prefill, spec.decode] if spec.mode == "Disaggregated" else [spec.decode]
+    flags = [
+        r is not None and r.autoscaling is not None and r.autoscaling.backend == "Planner"
+        for r in roles
+    ]
+    return (all(flags) and len(flags) == 2) if both else any(flags)
 
 
 class Condition(_Model):
@@ -397,6 +531,9 @@ class InferenceServiceStatus(_Model):
     phase: Literal["Pending", "Downloading", "Progressing", "Ready", "Degraded"] | None = None
     url: str | None = None
     selector: str | None = None
+    decode_selector: str | None = Field(
+        None, description="Label selector of the decode pods (the scale subresource's)"
+    )
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     proxy: RoleStatus | None = None

@@ -4,8 +4,9 @@ It reads the same YAML the operator reads and asks the same pure ``plan()`` for 
 topology, so an InferenceService means the same engines (roles, replicas, flags) on a
 laptop as in a cluster. Only what is Kubernetes' job changes: ports are free loopback
 ports instead of pod IPs, the proxy finds the engines because they register with it
-(``--proxy-url``) instead of by watching pods, and the model is a local directory (the
-embedded tiny model when none is given) instead of a download into a volume.
+(``--proxy-url``) instead of by watching pods, and the model is a local directory or .gguf
+file (the default model, fetched once into the user's cache, when none is given) instead of
+a download into a volume.
 
 Every child runs in its own process group; Ctrl-C or SIGTERM stops them all (SIGTERM to
 each group, SIGKILL after a grace period), and so does any failure while starting. An
@@ -32,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-DEFAULT_NAME = "tandem-tiny"
+from tandem.server.net import free_port
+
+DEFAULT_NAME = "smollm2-135m-instruct"
 HOST = "127.0.0.1"
 
 
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-f",
         "--file",
         default=None,
-        help="InferenceService YAML (default: Disaggregated, 1 prefill + 1 decode, the tiny model)",
+        help="InferenceService YAML (default: Disaggregated, 1 prefill + 1 decode, the default model)",
     )
     parser.add_argument(
         "--prefill",
@@ -58,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode replicas (the engine pool's replicas in Aggregated mode)",
     )
     parser.add_argument(
-        "--model", default=None, help="a local HF-format model directory (overrides spec.model.uri)"
+        "--model",
+        default=None,
+        help="a local HF-format model directory or .gguf file (overrides spec.model.uri; "
+        "default: smollm2-135m-instruct, downloaded once into the cache)",
     )
     parser.add_argument(
         "--port", type=int, default=8000, help="the proxy's port (0: any free port)"
@@ -92,11 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ----- the plan ---------------------------------------------------------------------------------
-def default_spec(model_dir: str) -> dict[str, Any]:
-    """What ``tandem up`` runs without ``-f``: the P/D topology on the embedded tiny model, on CPU.
+def default_spec(model_dir: str, name: str = DEFAULT_NAME) -> dict[str, Any]:
+    """What ``tandem up`` runs without ``-f``: the P/D topology on one model, on CPU.
 
-    The proxy disaggregates every request here (threshold 0), however short: the tiny
-    model's prompts are all short, and the point of the default is to show the P/D path.
+    The proxy disaggregates every request here (threshold 0), however short: a chat's
+    prompts are mostly short, and the point of the default is to show the P/D path.
     """
     return {
         "apiVersion": "tandem.dev/v1alpha1",
@@ -104,7 +110,7 @@ def default_spec(model_dir: str) -> dict[str, Any]:
         "metadata": {"name": DEFAULT_NAME},
         "spec": {
             "mode": "Disaggregated",
-            "model": {"name": DEFAULT_NAME, "uri": model_dir},
+            "model": {"name": name, "uri": model_dir},
             "prefill": {"replicas": 1, "gpus": 0},
             "decode": {"replicas": 1, "gpus": 0},
             "proxy": {"extraArgs": ["--disagg-threshold", "0"]},
@@ -130,7 +136,7 @@ def load_plan(args: argparse.Namespace) -> Any:
             raise UpError(f"cannot read {args.file}: {exc.strerror}") from None
         data = _yaml(text, args.file)
     else:
-        data = default_spec(args.model or str(_tiny_model()))
+        data = default_spec(*_resolve_model(args.model))
     spec = data.setdefault("spec", {}) if isinstance(data, dict) else None
     if isinstance(spec, dict):
         if args.prefill is not None:
@@ -148,9 +154,12 @@ def load_plan(args: argparse.Namespace) -> Any:
     except ValueError as exc:
         raise UpError(str(exc)) from None
     model_dir = args.model or local_model_dir(isvc.spec.model.uri)
-    if not (Path(model_dir) / "config.json").exists():
+    if not (Path(model_dir) / "config.json").exists() and not (
+        model_dir.lower().endswith(".gguf") and Path(model_dir).is_file()
+    ):
         raise UpError(
-            f"no model at {model_dir} (no config.json): give an HF-format model directory"
+            f"no model at {model_dir} (no config.json, not a .gguf file): give an HF-format "
+            "model directory or a GGUF file"
         )
     topology = plan(isvc, model_dir=str(model_dir), discovery="static")
     if not any(r.replicas > 0 and r.role in ("decode", "both") for r in topology.engines):
@@ -174,11 +183,16 @@ def local_model_dir(uri: str) -> str:
     return uri
 
 
-def _tiny_model() -> Path:
-    """The embedded tiny model, made once here so the engines do not race to make it."""
-    from tandem.server.engine.tiny_model import default_model_dir
+def _resolve_model(model: str | None) -> tuple[str, str]:
+    """The model and its served name; the default one is fetched here, once, so the engines
+    do not race to fetch it."""
+    from tandem.server.engine.default_model import resolve_model
+    from tandem.server.engine.models.config import ModelLoadError
 
-    return default_model_dir()
+    try:
+        return resolve_model(model)
+    except ModelLoadError as exc:
+        raise UpError(str(exc)) from None
 
 
 def _yaml(text: str, name: str) -> Any:
@@ -188,12 +202,6 @@ def _yaml(text: str, name: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UpError(f"{name} is not valid YAML: {exc}") from None
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ----- the processes ------------------------------------------------------------------------------

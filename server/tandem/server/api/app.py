@@ -47,8 +47,7 @@ def build_app(
     holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(
         settings.served_model_name,
-        snapshot=lambda: holder["s"].engine.snapshot,
-        pending=lambda: holder["s"].engine.num_queued_adds,
+        engine=lambda: holder["s"].engine,
     )
     transport = _KVTransport(
         settings.role,
@@ -130,7 +129,7 @@ class _KVTransport:
         self.server: Any = None
         self._engine: LLMEngine | None = None
         self.puller = (
-            KVPuller(lambda: self._engine.kv_layout, timeout_s=timeout_s, key=key)
+            KVPuller(lambda: self._engine.handoff.layout, timeout_s=timeout_s, key=key)
             if role in ("decode", "both")
             else None
         )
@@ -142,14 +141,14 @@ class _KVTransport:
         if self.role in ("prefill", "both"):
             self.server = KVTransportServer(
                 engine.kv_cache,
-                engine.leases.blocks,
-                engine.release_lease,
+                engine.handoff.leases.blocks,
+                engine.handoff.release_lease,
                 host=self.host,
                 port=self.port,
-                layout=engine.kv_layout,
+                layout=engine.handoff.layout,
                 key=self.key,
             ).start()
-            engine.kv_transfer_address = self.server.address
+            engine.handoff.address = self.server.address
             log.info("KV transport listening on %s", self.server.address)
 
     def close(self) -> None:
@@ -168,7 +167,7 @@ class ProxyRegistration:
     api_key: str | None = None
 
     async def announce(self, engine: AsyncEngine, settings: ServerSettings) -> None:
-        from tandem.server.proxy.registration import register_engine
+        from tandem.server.api.registration import register_engine
 
         while engine.state == "loading":
             await asyncio.sleep(0.2)
@@ -186,7 +185,7 @@ class ProxyRegistration:
             log.error("%s", exc)
 
     async def withdraw(self, settings: ServerSettings) -> None:
-        from tandem.server.proxy.registration import deregister_engine
+        from tandem.server.api.registration import deregister_engine
 
         await deregister_engine(
             self.proxy_url,

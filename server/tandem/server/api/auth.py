@@ -8,8 +8,11 @@ disconnect detection are untouched). ``docs/security.md`` has the whole trust mo
 - the **admin** key: the admin routes (``/terminate``, ``/sleep``, the proxy's ``/nodes/*``...).
 
 A client key is never enough for an admin route (403). With no credential configured at
-all the server is open (a laptop or a test); configuring any one closes every route but
-the probes (``/health``, ``/metrics``).
+all the server is open (a laptop or a test). With ``keyless_clients`` (a server that has no
+client key but guards its admin or internal routes: a proxy without ``--api-key``, an engine
+with only an admin key) a caller without one of our keys is an anonymous client: it may do
+what a client may do and nothing more. Otherwise every route but the probes (``/health``,
+``/metrics``) needs a key.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ ENGINE_ADMIN_PREFIXES = ("/distserve/",)
 PROXY_ADMIN_PATHS: frozenset[str] = frozenset()
 PROXY_ADMIN_PREFIXES = ("/nodes/", "/distserve/")
 
-Principal = Literal["open", "client", "internal", "admin"]
+Principal = Literal["open", "anonymous", "client", "internal", "admin"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Credentials:
     client_keys: frozenset[str] = frozenset()
     internal_key: str | None = None
     admin_key: str | None = None
+    keyless_clients: bool = False
 
     def __post_init__(self) -> None:
         roles = [set(self.client_keys), {self.internal_key} - {None}, {self.admin_key} - {None}]
@@ -59,9 +63,16 @@ class Credentials:
         return not (self.client_keys or self.internal_key or self.admin_key)
 
     def principal(self, authorization: bytes) -> Principal | None:
-        """Whose key the ``Authorization`` header carries (None: none of ours)."""
+        """Whose key the ``Authorization`` header carries (None: none of ours, and keyless
+        callers are not served)."""
         if self.open:
             return "open"
+        who = self._key_holder(authorization)
+        if who is None and self.keyless_clients and not self.client_keys:
+            return "anonymous"
+        return who
+
+    def _key_holder(self, authorization: bytes) -> Principal | None:
         scheme, _, token = authorization.decode("latin-1").strip().partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
@@ -225,6 +236,11 @@ class AuthMiddleware:
                 else "Incorrect API key provided"
             )
             await _deny(send, 401, message, "invalid_api_key")
+            return
+        if who == "anonymous" and is_admin_path(path, self.admin_paths, self.admin_prefixes):
+            await _deny(
+                send, 401, f"{path} is an admin route: send the admin key", "invalid_api_key"
+            )
             return
         if who == "client" and is_admin_path(path, self.admin_paths, self.admin_prefixes):
             await _deny(

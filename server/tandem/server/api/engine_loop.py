@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tandem.server.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from tandem.server.engine.models.config import ModelLoadError
+from tandem.server.engine.stats import EngineStats
 
 log = logging.getLogger("tandem.api.engine")
 
@@ -50,33 +52,11 @@ class EngineMetrics(Protocol):
 
     def on_tokens(self, seconds: float, count: int) -> None: ...
 
-    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None: ...
+    def on_finished(
+        self, reasons: list[str], num_tokens: int, num_cached_tokens: int, e2e_seconds: float
+    ) -> None: ...
 
     def on_aborted(self, count: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's counters as of the loop's last iteration; read by /health and /metrics."""
-
-    state: str = LOADING
-    num_running: int = 0
-    num_waiting: int = 0
-    total_blocks: int = 0
-    free_blocks: int = 0
-    cached_blocks: int = 0
-    block_size: int = 0
-    prefix_hit_rate: float = 0.0
-    num_sessions: int = 0
-    is_sleeping: bool = False
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    updated_at: float = field(default_factory=time.time)
-
-    @property
-    def kv_utilization(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 @dataclass
@@ -87,9 +67,10 @@ class _Tracked:
     arrival: float
     prompt_ids: list[int] = field(default_factory=list)
     n: int = 1
-    last: RequestOutput | None = None
+    last: RequestOutput | None = None  # a non-streamed request's latest (cumulative) output
     stream: bool = False
     num_tokens: int = 0
+    reasons: dict[int, str] = field(default_factory=dict)  # finished choices
     first_token_at: float | None = None
     last_token_at: float | None = None
     session_id: str | None = None
@@ -156,7 +137,9 @@ class AsyncEngine:
         self._engine: LLMEngine | None = None
         self._last_expiry = time.monotonic()
         self.error: BaseException | None = None
-        self.snapshot = EngineSnapshot()
+        self.state = LOADING
+        self.stats = EngineStats()  # as of the loop's last iteration; read by /health, /metrics
+        self.step_seconds = 0.0  # wall time inside engine.step(): the server overhead's baseline
         self.num_queued_adds = (
             0  # adds submitted but not yet applied; only the event loop writes it
         )
@@ -176,10 +159,6 @@ class AsyncEngine:
         self._commands.put(_Stop())
         self._thread.join(timeout)
         self._thread = None
-
-    @property
-    def state(self) -> str:
-        return self.snapshot.state
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block (in a thread, not the event loop) until the engine has loaded or failed."""
@@ -261,7 +240,9 @@ class AsyncEngine:
                     (
                         tracked.sink,
                         rid,
-                        aborted_output(rid, tracked.prompt_ids, tracked.n, tracked.last),
+                        aborted_output(
+                            rid, tracked.prompt_ids, tracked.n, tracked.last, tracked.reasons
+                        ),
                     )
                 )
             if batch and self._loop is not None:
@@ -292,17 +273,20 @@ class AsyncEngine:
             engine = self._engine = self._build()
             if self._on_ready is not None:
                 self._on_ready(engine)
-            kv = engine.stats().kv
+            stats = engine.stats()
             self.info = {
                 "max_model_len": engine.max_model_len,
-                "block_size": kv.block_size,
-                "num_blocks": kv.total_blocks,
+                "block_size": stats.block_size,
+                "num_blocks": stats.total_blocks,
                 "device": str(engine.device),
             }
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
-            log.exception("the engine failed to load")
+            if isinstance(exc, ModelLoadError):  # the message says it all
+                log.error("the engine failed to load: %s", exc)
+            else:
+                log.exception("the engine failed to load")
             self.error = exc
-            self.snapshot = EngineSnapshot(state=FAILED)
+            self.state = FAILED
             if self._on_failure is not None:
                 self._on_failure(exc)
             return
@@ -322,7 +306,7 @@ class AsyncEngine:
                 engine.abort_request(rid)
             self._deliver_error(list(self._tracked), EngineNotReadyError("the engine stopped"))
             self._tracked.clear()
-            self.snapshot = EngineSnapshot(state=STOPPED)
+            self.state = STOPPED
             engine.close()
 
     def _apply_commands(self, block: bool) -> bool:
@@ -350,7 +334,7 @@ class AsyncEngine:
             try:
                 if (
                     self._max_waiting is not None
-                    and engine.stats().num_waiting >= self._max_waiting
+                    and len(engine.scheduler.waiting) >= self._max_waiting
                 ):
                     raise QueueFullError(
                         f"the waiting queue is full ({self._max_waiting} requests); retry later"
@@ -391,7 +375,9 @@ class AsyncEngine:
 
     def _step(self, engine: LLMEngine) -> None:
         try:
+            started = time.perf_counter()
             outputs = engine.step()
+            self.step_seconds += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
             log.exception("engine step failed; aborting the requests in flight")
             ids = list(self._tracked)
@@ -410,7 +396,8 @@ class AsyncEngine:
             if tracked is None:
                 continue  # aborted while the step ran
             self._observe(tracked, out, now)
-            tracked.last = out
+            if not tracked.stream:
+                tracked.last = out
             if out.finished:
                 del self._tracked[out.request_id]
             batch.append((tracked.sink, out.request_id, out))
@@ -419,8 +406,9 @@ class AsyncEngine:
 
     def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         num = sum(len(o.token_ids) for o in out.outputs)
-        new = num - tracked.num_tokens
-        tracked.num_tokens = num
+        new = num if tracked.stream else num - tracked.num_tokens  # deltas, or everything so far
+        tracked.num_tokens += new
+        tracked.reasons.update((c.index, c.finish_reason) for c in out.outputs if c.finished)
         m = self._metrics
         # The engine reports a non-streamed request only when it finishes, so token timings
         # (TTFT, inter-token latency) come from streamed requests; e2e latency from all.
@@ -432,7 +420,8 @@ class AsyncEngine:
                 m.on_tokens((now - tracked.last_token_at), new)
             tracked.last_token_at = now
         if m is not None and out.finished:
-            m.on_finished(out, now - tracked.arrival)
+            reasons = [tracked.reasons.get(i, "abort") for i in range(tracked.n)]
+            m.on_finished(reasons, tracked.num_tokens, out.num_cached_tokens, now - tracked.arrival)
 
     def _deliver_error(self, request_ids: list[str], exc: Exception) -> None:
         batch = [(self._tracked[rid].sink, rid, exc) for rid in request_ids if rid in self._tracked]
@@ -444,7 +433,7 @@ class AsyncEngine:
 
     def _dispatch_pulls(self, engine: LLMEngine) -> None:
         """Hand the engine's KV pulls to the puller; each reports back as a command."""
-        for task in engine.take_pull_tasks():
+        for task in engine.handoff.take_pull_tasks():
             if self.puller is None:
                 engine.complete_pull(task.request_id, "this engine has no KV transport")
                 continue
@@ -456,46 +445,36 @@ class AsyncEngine:
             self.puller.submit(task, engine.kv_cache, done)
 
     def _expire(self, engine: LLMEngine) -> None:
-        engine.sweep_leases()
+        engine.handoff.leases.sweep()
         ttl = self._session_ttl
-        if not ttl or not hasattr(engine, "expire_sessions"):
+        if not ttl:
             return
         now = time.monotonic()
         if now - self._last_expiry < min(1.0, ttl / 4):
             return
         self._last_expiry = now
-        if n := engine.expire_sessions(ttl):
+        if n := engine.sessions.expire(ttl):
             log.info("expired %d idle session(s)", n)
 
     def _publish(self, state: str) -> None:
-        engine = self._engine
-        assert engine is not None
-        s = engine.stats()
-        self.snapshot = EngineSnapshot(
-            state=state,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            total_blocks=s.kv.total_blocks,
-            free_blocks=s.kv.free_blocks,
-            cached_blocks=s.kv.cached_blocks,
-            block_size=s.kv.block_size,
-            prefix_hit_rate=s.kv.prefix_hit_rate,
-            num_sessions=int(getattr(engine, "num_sessions", 0)),
-            is_sleeping=bool(getattr(engine, "is_sleeping", False)),
-            num_preemptions=s.num_preemptions,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_generated_tokens=s.num_generated_tokens,
-        )
+        self.stats = self._engine.stats()
+        self.state = state
 
 
 def aborted_output(
-    request_id: str, prompt_ids: list[int], n: int, last: RequestOutput | None
+    request_id: str,
+    prompt_ids: list[int],
+    n: int,
+    last: RequestOutput | None,
+    finished: dict[int, str],
 ) -> RequestOutput:
-    """The final output of a request aborted on purpose: what it had, marked ``abort``."""
+    """The final output of a request aborted on purpose: what a non-streamed one had, marked
+    ``abort``; for a streamed one, the delta that ends its unfinished choices."""
     if last is None:
         outputs = [
             CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
             for i in range(n)
+            if i not in finished
         ]
         return RequestOutput(
             request_id=request_id, prompt_token_ids=prompt_ids, outputs=outputs, finished=True

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from tandem.server.engine import (
+    EngineBusyError,
+    EngineSleepingError,
     InvalidParamError,
     PromptTooLongError,
     RequestOutput,
@@ -26,22 +28,6 @@ from tandem.server.engine.structured import GrammarError, GrammarSpec
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
 from .errors import APIError
 from .state import ServerState
-
-try:  # the engine's sleep-mode errors (present once the engine has sleep mode)
-    from tandem.server.engine.llm_engine import EngineSleepingError
-except ImportError:  # pragma: no cover - older engine
-
-    class EngineSleepingError(Exception):  # type: ignore[no-redef]
-        pass
-
-
-try:
-    from tandem.server.engine.llm_engine import EngineBusyError
-except ImportError:  # pragma: no cover - older engine
-
-    class EngineBusyError(Exception):  # type: ignore[no-redef]
-        pass
-
 
 DISCONNECT_POLL_S = 0.5
 
@@ -82,12 +68,14 @@ class Job:
 
     state: ServerState
     request_ids: list[str]
-    prompt_ids: list[list[int]]
     sink: asyncio.Queue
+    stream: bool = False
     last: dict[str, RequestOutput] = field(default_factory=dict)
-    on_finish: Callable[[list[RequestOutput]], None] | None = (
-        None  # once every request finished normally
-    )
+    num_output_tokens: dict[str, int] = field(default_factory=dict)  # a stream's, so far
+    # Called with the first choice's whole text once every choice finished by stop or length.
+    on_finish: Callable[[str], None] | None = None
+    _reasons: dict[tuple[str, int], str] = field(default_factory=dict)
+    _first_text: list[str] = field(default_factory=list)  # a stream's pieces of it
 
     @property
     def finished(self) -> bool:
@@ -100,8 +88,8 @@ class Job:
                 self.state.engine.abort(rid)
 
     async def updates(self) -> AsyncIterator[dict[str, RequestOutput]]:
-        """Each wake-up yields the newest output per request (outputs are cumulative, so a
-        consumer that fell behind skips the intermediate snapshots instead of queueing them)."""
+        """Each wake-up yields what is new per request: for a stream, the deltas that arrived
+        since the last wake-up merged into one; otherwise the newest cumulative output."""
         pending = {
             rid for rid in self.request_ids if not (rid in self.last and self.last[rid].finished)
         }
@@ -115,15 +103,32 @@ class Job:
                     raise api_error(item)
                 if item.error is not None:  # ended without finishing, e.g. a failed KV pull
                     raise APIError(502, item.error, code="kv_transfer_error", type="server_error")
+                self._reasons.update(
+                    ((rid, c.index), c.finish_reason) for c in item.outputs if c.finished
+                )
+                if self.stream:
+                    self._follow(rid, item)
+                    item = latest[rid].merge(item) if rid in latest else item
                 latest[rid] = item
                 self.last[rid] = item
                 if item.finished:
                     pending.discard(rid)
             if not pending and self.on_finish is not None:
-                outs = [self.last[rid] for rid in self.request_ids]
-                if all(c.finish_reason in ("stop", "length") for o in outs for c in o.outputs):
-                    self.on_finish(outs)
+                if all(r in ("stop", "length") for r in self._reasons.values()):
+                    self.on_finish(self._whole_first_text())
             yield latest
+
+    def _follow(self, rid: str, delta: RequestOutput) -> None:
+        self.num_output_tokens[rid] = self.num_output_tokens.get(rid, 0) + sum(
+            len(c.token_ids) for c in delta.outputs
+        )
+        if rid == self.request_ids[0]:
+            self._first_text += [c.text for c in delta.outputs if c.index == 0]
+
+    def _whole_first_text(self) -> str:
+        if self.stream:
+            return "".join(self._first_text)
+        return self.last[self.request_ids[0]].outputs[0].text
 
     async def collect(self, request: Request | None) -> list[RequestOutput]:
         """Wait for every request to finish; abort them all if the client disconnects first."""
@@ -182,10 +187,10 @@ async def submit(
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-    job = Job(state, [], [], sink)
+    job = Job(state, [], sink, stream=stream)
     try:
         for rid, prompt in zip(ids, prompts):
-            prompt_ids = await state.engine.add_request(
+            await state.engine.add_request(
                 rid,
                 prompt,
                 params,
@@ -196,7 +201,6 @@ async def submit(
                 kv_transfer=kv_transfer,
             )
             job.request_ids.append(rid)
-            job.prompt_ids.append(prompt_ids)
     except BaseException as exc:
         job.abort_unfinished()
         if isinstance(exc, Exception):

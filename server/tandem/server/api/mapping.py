@@ -8,7 +8,6 @@ what is refused) is unit-tested without a server.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -380,26 +379,6 @@ def completion_logprobs(
 
 def finish_reason(out: CompletionOutput) -> str | None:
     return out.finish_reason
-
-
-@dataclass
-class Cursor:
-    """How much of one choice a stream has already sent (engine outputs are cumulative)."""
-
-    text: int = 0
-    tokens: int = 0
-    logprobs: int = 0
-    done: bool = False
-
-    def advance(self, out: CompletionOutput) -> tuple[str, list[int], list[Any]]:
-        text = out.text[self.text :]
-        tokens = out.token_ids[self.tokens :]
-        lps = (out.logprobs or [])[self.logprobs :]
-        self.text = len(out.text)
-        self.tokens = len(out.token_ids)
-        self.logprobs = len(out.logprobs or [])
-        self.done = out.finish_reason is not None
-        return text, tokens, lps
 
 
 def chat_response(

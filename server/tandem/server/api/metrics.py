@@ -1,6 +1,6 @@
 """Prometheus metrics, on a registry owned by one app (no process-global state).
 
-Gauges are read from the engine loop's latest snapshot at scrape time. The ``vllm:`` names
+Gauges are read from the engine loop's latest stats at scrape time. The ``vllm:`` names
 are the ones the Kubernetes Gateway API Inference Extension's endpoint picker reads from
 model servers (queue depth, running requests, KV cache usage); the ``tandem:`` names carry
 the same values plus latency histograms and token counters.
@@ -14,9 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tandem.server.engine import RequestOutput
-
-from .engine_loop import EngineSnapshot
+from .engine_loop import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -84,21 +82,19 @@ _E2E_BUCKETS = (
 
 
 class _SnapshotCollector(Collector):
-    """Gauges computed from the engine snapshot when Prometheus scrapes."""
+    """Gauges computed from the engine loop's stats when Prometheus scrapes."""
 
-    def __init__(
-        self, model: str, snapshot: Callable[[], EngineSnapshot], pending: Callable[[], int]
-    ) -> None:
+    def __init__(self, model: str, engine: Callable[[], AsyncEngine]) -> None:
         self._model = model
-        self._snapshot = snapshot
-        self._pending = pending
+        self._engine = engine
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # computed at scrape time; nothing to describe before the engine exists
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        s = self._snapshot()
-        waiting = s.num_waiting + self._pending()
+        e = self._engine()
+        s = e.stats
+        waiting = s.num_waiting + e.num_queued_adds
         usage = s.kv_utilization
         values = [
             ("num_requests_waiting", "Requests waiting to be scheduled", waiting),
@@ -121,8 +117,13 @@ class _SnapshotCollector(Collector):
             ),
             ("prefix_cache_hit_rate", "Prefix cache hit rate", s.prefix_hit_rate),
             ("is_sleeping", "1 while the engine has released its memory", int(s.is_sleeping)),
-            ("engine_ready", "1 once the engine has loaded and can serve", int(s.state == "ready")),
+            ("engine_ready", "1 once the engine has loaded and can serve", int(e.state == "ready")),
             ("num_preemptions", "Preemptions since start", s.num_preemptions),
+            (
+                "engine_step_seconds",
+                "Seconds spent inside engine steps since start (model, sampler, detokenizer)",
+                e.step_seconds,
+            ),
         ]:
             g = GaugeMetricFamily("tandem:" + name, doc, labels=["model_name"])
             g.add_metric([self._model], value)
@@ -139,9 +140,7 @@ class _SnapshotCollector(Collector):
 class ServerMetrics:
     """All of one server's metrics; also the engine loop's ``EngineMetrics`` observer."""
 
-    def __init__(
-        self, model: str, snapshot: Callable[[], EngineSnapshot], pending: Callable[[], int]
-    ) -> None:
+    def __init__(self, model: str, engine: Callable[[], AsyncEngine]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model = model
         labels = ["model_name"]
@@ -192,7 +191,7 @@ class ServerMetrics:
             ["model_name", "status"],
             registry=r,
         )
-        r.register(_SnapshotCollector(model, snapshot, pending))
+        r.register(_SnapshotCollector(model, engine))
 
     # EngineMetrics (called on the engine thread; prometheus_client is thread-safe)
     def on_added(self, num_prompt_tokens: int) -> None:
@@ -205,12 +204,14 @@ class ServerMetrics:
         # One engine step adds one token to each choice: the interval is the inter-token latency.
         self.itl.observe(seconds)
 
-    def on_finished(self, out: RequestOutput, e2e_seconds: float) -> None:
+    def on_finished(
+        self, reasons: list[str], num_tokens: int, num_cached_tokens: int, e2e_seconds: float
+    ) -> None:
         self.e2e.observe(e2e_seconds)
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        self.cached_prompt_tokens_m.inc(out.num_cached_tokens)
-        for c in out.outputs:
-            self._finished.labels(self._model, c.finish_reason or "abort").inc()
+        self.generation_tokens.inc(num_tokens)
+        self.cached_prompt_tokens_m.inc(num_cached_tokens)
+        for reason in reasons:
+            self._finished.labels(self._model, reason).inc()
 
     def on_aborted(self, count: int) -> None:
         self._finished.labels(self._model, "abort").inc(count)

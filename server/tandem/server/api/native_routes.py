@@ -35,21 +35,20 @@ router = APIRouter()
 
 
 # ----- LMDeploy /generate -------------------------------------------------------------------
-def _generate_body(
-    rid: str, out: Any, text: str, ids: list[int], lps: list[Any] | None, want_logprobs: bool
-) -> dict[str, Any]:
+def _generate_body(rid: str, out: Any, num_tokens: int, want_logprobs: bool) -> dict[str, Any]:
+    """One body: the whole output, or a stream's delta (``num_tokens`` counts the whole)."""
     c = out.outputs[0]
     return {
-        "text": text,
-        "output_ids": ids,
+        "text": c.text,
+        "output_ids": list(c.token_ids),
         "meta_info": {
             "id": rid,
             "finish_reason": mapping.generate_finish(c),
             "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(c.token_ids),
+            "completion_tokens": num_tokens,
             "cached_tokens": out.num_cached_tokens,
             "output_token_logprobs": [
-                (max(lp.logprob, mapping.LOGPROB_FLOOR), lp.token_id) for lp in lps or []
+                (max(lp.logprob, mapping.LOGPROB_FLOOR), lp.token_id) for lp in c.logprobs or []
             ]
             if want_logprobs
             else None,
@@ -93,20 +92,14 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         (out,) = await job.collect(request)
     except ClientDisconnected:
         return JSONResponse(error_body(499, "client disconnected"), status_code=499)
-    c = out.outputs[0]
-    return _generate_body(rid, out, c.text, list(c.token_ids), c.logprobs, want)
+    return _generate_body(rid, out, len(out.outputs[0].token_ids), want)
 
 
 async def _generate_stream(job: Job, rid: str, want_logprobs: bool) -> AsyncIterator[bytes]:
-    cur = mapping.Cursor()
     try:
         async for latest in job.updates():
-            out = latest[rid]
-            c = out.outputs[0]
-            if cur.done or (c.finish_reason is None and len(c.text) <= cur.text):
-                continue
-            text, ids, lps = cur.advance(c)
-            yield sse_event(_generate_body(rid, out, text, ids, lps, want_logprobs))
+            body = _generate_body(rid, latest[rid], job.num_output_tokens[rid], want_logprobs)
+            yield sse_event(body)
         yield DONE
     except APIError as err:
         yield sse_event(error_body(err.status, err.message, code=err.code))
@@ -257,31 +250,30 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
         "created_at": _created_at(),
         "response": out.outputs[0].text,
         "done": True,
-        **_ollama_final(out, started),
+        **_ollama_final(out, list(out.outputs[0].token_ids), started),
     }
 
 
-def _ollama_final(out: Any, started_ns: int) -> dict[str, Any]:
-    c = out.outputs[0]
+def _ollama_final(out: Any, token_ids: list[int], started_ns: int) -> dict[str, Any]:
+    """The closing fields; ``token_ids`` are the whole output (a stream's last delta is not)."""
     return {
-        "done_reason": c.finish_reason,
-        "context": list(out.prompt_token_ids) + list(c.token_ids),
+        "done_reason": out.outputs[0].finish_reason,
+        "context": list(out.prompt_token_ids) + token_ids,
         "total_duration": time.monotonic_ns() - started_ns,
         "prompt_eval_count": len(out.prompt_token_ids),
-        "eval_count": len(c.token_ids),
+        "eval_count": len(token_ids),
     }
 
 
 async def _ollama_stream(job: Job, rid: str, model: str, started_ns: int) -> AsyncIterator[bytes]:
-    cur = mapping.Cursor()
+    token_ids: list[int] = []
     try:
         async for latest in job.updates():
-            out = latest[rid]
-            c = out.outputs[0]
-            if len(c.text) > cur.text:
-                text, _, _ = cur.advance(c)
+            c = latest[rid].outputs[0]
+            token_ids += c.token_ids
+            if c.text:
                 yield ndjson_line(
-                    {"model": model, "created_at": _created_at(), "response": text, "done": False}
+                    {"model": model, "created_at": _created_at(), "response": c.text, "done": False}
                 )
         yield ndjson_line(
             {
@@ -289,7 +281,7 @@ async def _ollama_stream(job: Job, rid: str, model: str, started_ns: int) -> Asy
                 "created_at": _created_at(),
                 "response": "",
                 "done": True,
-                **_ollama_final(job.last[rid], started_ns),
+                **_ollama_final(job.last[rid], token_ids, started_ns),
             }
         )
     except APIError as err:

@@ -96,9 +96,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         kv_transfer=body.kv_transfer_params,
     )
     if conversation is not None:
-        job.on_finish = lambda outs: state.histories.record(
-            session, conversation, outs[0].outputs[0].text
-        )
+        job.on_finish = lambda text: state.histories.record(session, conversation, text)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -106,6 +104,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             _chat_stream(
                 state,
                 job,
+                params.n,
                 request_id,
                 created,
                 model,
@@ -169,6 +168,7 @@ def _chat_plan(
 async def _chat_stream(
     state: ServerState,
     job: Job,
+    n: int,
     request_id: str,
     created: int,
     model: str,
@@ -190,14 +190,14 @@ async def _chat_stream(
         )
 
     rid = job.request_ids[0]
-    n = None
-    cursors: dict[int, mapping.Cursor] = {}
+    started = False
     parsers: dict[int, ChoiceStream] = {}
+    texts: dict[int, str] = {}  # the parsers read each choice's whole text so far
     try:
         async for latest in job.updates():
             out = latest[rid]
-            if n is None:
-                n = len(out.outputs)
+            if not started:
+                started = True
                 yield chunk(
                     [
                         {
@@ -211,26 +211,23 @@ async def _chat_stream(
                 )
             choices = []
             for c in out.outputs:
-                cur = cursors.setdefault(c.index, mapping.Cursor())
-                if cur.done or (c.finish_reason is None and len(c.text) <= cur.text):
-                    continue
-                text, tokens, lps = cur.advance(c)
-                delta: dict[str, Any] = {"content": text} if text else {}
+                delta: dict[str, Any] = {"content": c.text} if c.text else {}
                 reason = c.finish_reason
                 if new_choice is not None:
                     parser = parsers.setdefault(c.index, new_choice())
-                    delta = parser.delta(c.text, final=reason is not None)
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    delta = parser.delta(texts[c.index], final=reason is not None)
                     reason = parser.finish_reason(reason)
                 choice: dict[str, Any] = {
                     "index": c.index,
                     "delta": delta,
-                    "logprobs": mapping.chat_logprobs(state.tokenizer, lps, top)
+                    "logprobs": mapping.chat_logprobs(state.tokenizer, c.logprobs or [], top)
                     if top is not None
                     else None,
                     "finish_reason": reason,
                 }
                 if return_token_ids:
-                    choice["token_ids"] = tokens
+                    choice["token_ids"] = c.token_ids
                 choices.append(choice)
             if choices:
                 yield chunk(choices)
@@ -239,9 +236,7 @@ async def _chat_stream(
             yield chunk(
                 [],
                 mapping.usage(
-                    len(out.prompt_token_ids),
-                    sum(len(c.token_ids) for c in out.outputs),
-                    out.num_cached_tokens,
+                    len(out.prompt_token_ids), job.num_output_tokens[rid], out.num_cached_tokens
                 ),
             )
         yield DONE
@@ -294,6 +289,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             _completion_stream(
                 state,
                 job,
+                params.n,
                 request_id,
                 created,
                 model,
@@ -339,6 +335,7 @@ def _with_handoff(
 async def _completion_stream(
     state: ServerState,
     job: Job,
+    n: int,
     request_id: str,
     created: int,
     model: str,
@@ -348,36 +345,29 @@ async def _completion_stream(
     return_token_ids: bool,
 ) -> AsyncIterator[bytes]:
     index_of = {rid: i for i, rid in enumerate(job.request_ids)}
-    cursors: dict[tuple[str, int], mapping.Cursor] = {}
-    offsets: dict[tuple[str, int], int] = {}
+    offsets: dict[tuple[str, int], int] = {}  # where each choice's next text starts
     try:
         async for latest in job.updates():
             choices = []
             for rid, out in latest.items():
                 p = index_of[rid]
-                n = len(out.outputs)
                 for c in out.outputs:
                     key = (rid, c.index)
-                    first = key not in cursors
-                    cur = cursors.setdefault(key, mapping.Cursor())
-                    echo = (echo_texts[p] or "") if first else ""
-                    if cur.done or (
-                        c.finish_reason is None and len(c.text) <= cur.text and not echo
-                    ):
-                        continue
-                    text, tokens, lps = cur.advance(c)
+                    echo = (echo_texts[p] or "") if key not in offsets else ""
                     pos = offsets.get(key, len(echo))
                     choice: dict[str, Any] = {
                         "index": p * n + c.index,
-                        "text": echo + text,
-                        "logprobs": mapping.completion_logprobs(state.tokenizer, lps, logprobs, pos)
+                        "text": echo + c.text,
+                        "logprobs": mapping.completion_logprobs(
+                            state.tokenizer, c.logprobs or [], logprobs, pos
+                        )
                         if logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
                     }
-                    offsets[key] = pos + len(text)
+                    offsets[key] = pos + len(c.text)
                     if return_token_ids:
-                        choice["token_ids"] = tokens
+                        choice["token_ids"] = c.token_ids
                     choices.append(choice)
             if choices:
                 yield sse_event(
@@ -393,7 +383,7 @@ async def _completion_stream(
             outs = [job.last[rid] for rid in job.request_ids]
             u = mapping.usage(
                 sum(len(o.prompt_token_ids) for o in outs),
-                sum(len(c.token_ids) for o in outs for c in o.outputs),
+                sum(job.num_output_tokens.values()),
                 sum(o.num_cached_tokens for o in outs),
             )
             yield sse_event(
@@ -415,11 +405,8 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Free a session's KV blocks now (idle sessions also expire on their own)."""
     state = get_state(request)
     state.check_admitting()
-    engine_has = await state.engine.call(lambda e: hasattr(e, "delete_session"))
-    if not engine_has:
-        raise APIError(501, "this engine has no sessions", code="not_implemented")
     key = mapping.session_key(session_id, mapping.request_owner(request)) or session_id
-    deleted = await state.engine.call(lambda e: e.delete_session(key))
+    deleted = await state.engine.call(lambda e: e.sessions.delete(key))
     deleted = state.histories.drop(key) or deleted
     if not deleted:
         raise APIError(

@@ -81,11 +81,11 @@ def _driver_version() -> str | None:
 
 
 def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
-    snap = state.engine.snapshot
+    snap = state.engine.stats
     if state.draining:
         status = "draining"
-    elif snap.state != "ready":
-        status = snap.state
+    elif state.engine.state != "ready":
+        status = state.engine.state
     elif snap.is_sleeping:
         status = "sleeping"
     else:
@@ -132,7 +132,7 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict[str, bool]:
-    return {"is_sleeping": get_state(request).engine.snapshot.is_sleeping}
+    return {"is_sleeping": get_state(request).engine.stats.is_sleeping}
 
 
 @router.post("/sleep", responses=ERROR_RESPONSES | {409: {"model": ErrorResponse}})
@@ -153,8 +153,6 @@ async def sleep(
         raise APIError(
             503, f"the engine is {state.engine.state}", code=f"engine_{state.engine.state}"
         )
-    if not await state.engine.call(lambda e: hasattr(e, "sleep")):
-        raise APIError(501, "this engine has no sleep mode", code="not_implemented")
     try:
         await state.engine.call(lambda e: e.sleep(level))
     except Exception as exc:  # noqa: BLE001 - mapped to 400/409
@@ -170,8 +168,6 @@ async def wakeup(request: Request, tags: list[str] | None = Query(None)) -> Any:
         raise APIError(
             503, f"the engine is {state.engine.state}", code=f"engine_{state.engine.state}"
         )
-    if not await state.engine.call(lambda e: hasattr(e, "wake_up")):
-        raise APIError(501, "this engine has no sleep mode", code="not_implemented")
     try:
         await state.engine.call(lambda e: e.wake_up())
     except Exception as exc:  # noqa: BLE001

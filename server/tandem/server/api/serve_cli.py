@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -30,17 +29,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.api")
 
-EMBEDDED_MODEL_NAME = "tandem-tiny"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="HF-format model directory (default: the embedded tiny model)"
+        "--model",
+        default=None,
+        help="an HF-format model directory or a .gguf file (default: smollm2-135m-instruct, "
+        "downloaded once into the cache)",
     )
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients use in 'model' (default: the model directory's name)",
+        help="the name clients use in 'model' (default: the model directory's or file's name)",
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
@@ -115,36 +115,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from tandem.server.engine import LLMEngine
-    from tandem.server.engine.models.config import ModelConfig
+    from tandem.server.engine.default_model import resolve_model
+    from tandem.server.engine.models.config import ModelConfig, ModelLoadError
+    from tandem.server.engine.tokenizer import load_tokenizer
 
     from .app import build_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.model is None:
-        from tandem.server.engine.tiny_model import default_model_dir
-
-        model_dir = str(default_model_dir())
-        default_name = EMBEDDED_MODEL_NAME
-    else:
-        model_dir = args.model
-        default_name = Path(model_dir.rstrip("/")).name or model_dir
-    config = engine_config_from_args(
-        args, model_dir
-    )  # validates engine flags before anything loads
-    settings = settings_from_args(args, model_dir, default_name)
-    if settings.role != "both" and not settings.credentials.open and not settings.internal_api_key:
-        log.warning(
-            "role %s with keys but no internal credential: kv_transfer_params will be refused "
-            "(set $TANDEM_INTERNAL_API_KEY on the proxy and every engine; docs/security.md)",
-            settings.role,
-        )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    try:
+        model_dir, default_name = resolve_model(args.model)
+        config = engine_config_from_args(args, model_dir)  # validates flags before loading
+        settings = settings_from_args(args, model_dir, default_name)
+        if (
+            settings.role != "both"
+            and not settings.credentials.open
+            and not settings.internal_api_key
+        ):
+            log.warning(
+                "role %s with keys but no internal credential: kv_transfer_params will be "
+                "refused (set $TANDEM_INTERNAL_API_KEY on the proxy and every engine; "
+                "docs/security.md)",
+                settings.role,
+            )
+        tokenizer = load_tokenizer(model_dir)
+        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    except ModelLoadError as exc:
+        log.error("cannot load the model: %s", exc)
+        return 1
 
     failed: list[BaseException] = []
     server: _Server | None = None

@@ -52,7 +52,14 @@ class ServerSettings:
     @property
     def credentials(self) -> Credentials:
         clients = set(self.extra_api_keys) | ({self.api_key} if self.api_key else set())
-        return Credentials(frozenset(clients), self.internal_api_key, self.admin_api_key)
+        # An engine with the internal credential and no client key is a P/D back end: only
+        # its proxy (and the admin) may call it. With only an admin key, clients need none.
+        return Credentials(
+            frozenset(clients),
+            self.internal_api_key,
+            self.admin_api_key,
+            keyless_clients=not self.internal_api_key,
+        )
 
 
 @dataclass
@@ -92,7 +99,7 @@ class ServerState:
         state = self.engine.state
         if state != READY:
             raise APIError(503, f"the engine is {state}; retry later", code=f"engine_{state}")
-        if self.engine.snapshot.is_sleeping:
+        if self.engine.stats.is_sleeping:
             raise APIError(503, "the engine is asleep; POST /wakeup first", code="engine_sleeping")
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import zmq
 
 from tandem.server.engine.kv_cache import KVCache
+from tandem.server.engine.kv_transfer import KVLayout, PullTask
 
-from .kv_transfer import KVLayout, PullTask
 from .transport import DEFAULT_TIMEOUT_S, KVTransportClient, TransportError
 
 Done = Callable[[str, str | None], None]
@@ -52,7 +52,6 @@ class KVPuller:
         self._checked: set[str] = set()
         self._queued: dict[str, collections.deque[tuple[PullTask, KVCache, Done]]] = {}
         self._active: collections.Counter[str] = collections.Counter()
-        self.bytes_pulled = 0
 
     @property
     def num_peers(self) -> int:
@@ -120,9 +119,7 @@ class KVPuller:
         if error is None:
             try:
                 client = self._client(task.address)
-                self.bytes_pulled += client.pull(
-                    task.lease_id, task.remote_block_ids, kv_cache, task.local_block_ids
-                )
+                client.pull(task.lease_id, task.remote_block_ids, kv_cache, task.local_block_ids)
                 client.release(task.lease_id)
             except (TransportError, ValueError, RuntimeError, zmq.ZMQError) as exc:
                 error = str(exc) or type(exc).__name__

@@ -26,9 +26,9 @@ import torch
 import zmq
 
 from tandem.server.engine.kv_cache import KVCache
+from tandem.server.engine.kv_transfer import KVLayout
 
 from . import trust
-from .kv_transfer import KVLayout
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -73,7 +73,6 @@ class KVTransportServer:
         self.address = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tandem-kv-server", daemon=True)
-        self.bytes_sent = 0
         # One staging buffer, reused: filling fresh memory per pull costs more than the copy.
         self._staging: torch.Tensor | None = None
         self._in_flight: list[zmq.MessageTracker] = []
@@ -167,7 +166,6 @@ class KVTransportServer:
             self._in_flight.append(
                 self._sock.send_multipart([ident, b"L", payload], copy=False, track=True)
             )
-        self.bytes_sent += header["nbytes"]
 
 
 class KVTransportClient:

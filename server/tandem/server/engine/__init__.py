@@ -1,8 +1,9 @@
 """The generation engine: paged KV cache, continuous batching, exact against HuggingFace."""
 
 from .config import EngineConfig
+from .limits import PromptTooLongError
 from .llm import LLM
-from .llm_engine import EngineBusyError, EngineSleepingError, LLMEngine, PromptTooLongError
+from .llm_engine import EngineBusyError, EngineSleepingError, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidParamError, SamplingParams
 

@@ -17,9 +17,10 @@ class BlockPoolError(RuntimeError):
     """An invariant of the pool broke (a double free, say): a bug, never a user error."""
 
 
-class BlockPool:
-    NULL_BLOCK = 0
+NULL_BLOCK = 0  # reserved: the padding page that padded rows attend to and write into
 
+
+class BlockPool:
     def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is the padding page)")
@@ -65,7 +66,7 @@ class BlockPool:
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference per block, tail first; blocks reaching zero join the LRU queue."""
         for block_id in reversed(block_ids):
-            if self._ref[block_id] <= 0 or block_id == self.NULL_BLOCK:
+            if self._ref[block_id] <= 0 or block_id == NULL_BLOCK:
                 raise BlockPoolError(f"block {block_id} freed with no reference held")
             self._ref[block_id] -= 1
             if self._ref[block_id] == 0:

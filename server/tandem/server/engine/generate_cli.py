@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from .engine_args import add_engine_arguments, engine_config_from_args
 from .llm import LLM
@@ -12,7 +13,10 @@ from .sampling_params import SamplingParams
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="HF-format model directory (default: the embedded tiny model)"
+        "--model",
+        default=None,
+        help="an HF-format model directory or a .gguf file (default: smollm2-135m-instruct, "
+        "downloaded once into the cache)",
     )
     parser.add_argument(
         "--prompt", action="append", required=True, help="a prompt; repeat for a batch"
@@ -24,9 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .tiny_model import default_model_dir
+    from .default_model import resolve_model
+    from .models.config import ModelLoadError
 
-    llm = LLM.from_config(engine_config_from_args(args, args.model or str(default_model_dir())))
+    try:
+        model, _ = resolve_model(args.model)
+        llm = LLM.from_config(engine_config_from_args(args, model))
+    except ModelLoadError as exc:
+        print(f"tandem generate: {exc}", file=sys.stderr)
+        return 1
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
     )

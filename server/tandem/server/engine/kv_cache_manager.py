@@ -11,19 +11,6 @@ from .request import Request
 
 
 @dataclass(frozen=True)
-class KVCacheStats:
-    total_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    prefix_hit_rate: float
-    block_size: int
-
-    @property
-    def utilization(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
-
-
-@dataclass(frozen=True)
 class CachedPrefix:
     block_ids: list[int]
     block_hashes: list[int]
@@ -118,13 +105,3 @@ class KVCacheManager:
             self.pool.free(req.block_ids)
         req.block_ids = []
         req.block_hashes = []
-
-    def stats(self) -> KVCacheStats:
-        cache = self.prefix_cache
-        return KVCacheStats(
-            total_blocks=self.pool.num_usable,
-            free_blocks=self.pool.num_free,
-            cached_blocks=self.pool.num_cached,
-            prefix_hit_rate=cache.hit_rate if cache is not None else 0.0,
-            block_size=self.block_size,
-        )

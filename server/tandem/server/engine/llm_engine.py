@@ -7,36 +7,33 @@ One thread drives it (``step``); the API layer feeds it through ``add_request`` 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import time
-import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..disagg.kv_transfer import KVLayout, PullTask, RemotePrefill, handoff_params
-from ..disagg.leases import LeaseStore
+from .compiling import CompilingGroups
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache
-from .kv_cache_manager import KVCacheManager, KVCacheStats
-from .models.config import ModelConfig
-from .outputs import CompletionOutput, RequestOutput
+from .kv_cache_manager import KVCacheManager
+from .kv_handoff import KVHandoff
+from .kv_transfer import KVLayout, RemotePrefill
+from .limits import check_request
+from .models.config import ModelConfig, eos_token_ids
+from .output_processor import group_output
+from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 from .sessions import SessionStore
-from .stopping import find_stop_string, held_back, stop_by_token
+from .stats import EngineStats, Totals
+from .stopping import check_stop
 from .structured import GrammarCache
+from .tokenizer import load_tokenizer
 from .worker import Worker
-
-
-class PromptTooLongError(InvalidParamError):
-    """The prompt (plus max_tokens) does not fit the model's context: the API's 413/400."""
 
 
 class EngineSleepingError(RuntimeError):
@@ -47,26 +44,12 @@ class EngineBusyError(RuntimeError):
     """An operation that needs an idle engine was asked for while requests are in flight."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv: KVCacheStats
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    num_leases: int = 0
-    num_pulling: int = 0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.worker = Worker(config, self.model_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(
             eos_token_ids(config.model, self.model_config, self.tokenizer)
         )
@@ -80,44 +63,28 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
         self.kv.reclaim = self.sessions.reclaim
+        layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
+        self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
-        # groups whose grammar is still compiling, with their P/D handle (admitted when done)
-        self._compiling: list[tuple[list[Request], RemotePrefill | None, Future]] = []
-        self.engine_id = uuid.uuid4().hex[:12]
-        self.kv_transfer_address: str | None = None  # set by the host once its transport listens
-        self.leases = LeaseStore(self.kv.pool, config.kv_lease_seconds)
-        self._remote_waiting: list[Request] = []  # decode side: waiting for blocks to pull into
-        self._pulling: dict[str, Request] = {}
-        self._pull_tasks: list[PullTask] = []
+        self._compiling = CompilingGroups(self.grammars)
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
         self._arrival = itertools.count()
         self._rng = random.Random(config.seed)
-        self._num_preemptions = 0
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
+        self.totals = Totals()
 
     @property
     def device(self) -> torch.device:
         return self.worker.device
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.worker.model
-
-    @property
     def kv_cache(self) -> KVCache:
         return self.worker.kv_cache
 
     # ----- requests -----------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
     def add_request(
         self,
         request_id: str,
@@ -130,10 +97,11 @@ class LLMEngine:
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
-        ``step`` reports a streamed request after every token, any other only when it finishes.
+        ``step`` reports a streamed request as deltas when its text grows, any other (whole)
+        only when it finishes.
         ``kv_transfer`` carries the P/D handoff: ``{"do_remote_decode": true}`` makes this a
         prefill (one token, blocks kept under a lease); a ``do_remote_prefill`` handle makes it
-        a decode whose prompt K/V is pulled from the prefill engine (see ``take_pull_tasks``).
+        a decode whose prompt K/V is pulled from the prefill engine (see ``KVHandoff``).
 
         With ``session_id`` the request continues that session: it reuses the session's KV
         blocks for the prompt prefix they hold, and leaves its own blocks there when done.
@@ -142,62 +110,26 @@ class LLMEngine:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
-        if session_id is not None and params.n != 1:
-            raise InvalidParamError("n", "a request in a session takes n=1")
-        if session_id is not None and self.sessions.is_busy(session_id):
-            raise InvalidParamError(
-                "session_id", f"session {session_id!r} already has a request in flight"
-            )
-        remote_decode = bool(kv_transfer and kv_transfer.get("do_remote_decode"))
-        remote = (
-            RemotePrefill.from_params(kv_transfer)
-            if kv_transfer and kv_transfer.get("do_remote_prefill")
-            else None
+        if session_id is not None:
+            self.sessions.check_can_attach(session_id, params.n)
+        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        params, remote_decode, remote = self.handoff.parse(
+            kv_transfer, params, session_id, len(prompt_ids)
         )
-        if (remote_decode or remote) and (params.n != 1 or session_id is not None):
-            raise InvalidParamError(
-                "kv_transfer_params", "a disaggregated request takes n=1 and no session"
-            )
-        if (remote_decode or remote) and self.config.tensor_parallel_size > 1:
-            raise InvalidParamError(
-                "kv_transfer_params",
-                "KV transfer with tensor_parallel_size > 1 is not "
-                "supported yet (each rank holds only its own KV heads)",
-            )
-        if remote_decode:
-            params = params.clone(max_tokens=1, min_tokens=0)
+        max_tokens = check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         grammar = None if params.structured is None else self.grammars.submit(params.structured)
         if grammar is not None and grammar.done():
             grammar.result()  # a grammar that failed to compile is this request's 400
-        prompt_ids = self.tokenize(prompt)
-        max_tokens = self._check_lengths(prompt_ids, params)
-        if remote is not None and remote.num_tokens != len(prompt_ids):
-            raise InvalidParamError(
-                "kv_transfer_params",
-                f"the prefill engine computed {remote.num_tokens} prompt "
-                f"tokens but this prompt has {len(prompt_ids)}: the engines tokenize differently",
-            )
-        group = []
-        for i in range(params.n):
-            req = Request(
-                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
-                prompt_token_ids=prompt_ids,
-                params=params,
-                max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                arrival_order=next(self._arrival),
-                group_id=request_id,
-                index=i,
-                stream=stream,
-                arrival_time=time.monotonic(),
-                generator=self._generator(params.seed, i),
-                detokenizer=(
-                    IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                    if stream or params.stop
-                    else None
-                ),
-            )
-            group.append(req)
+        group = [
+            self._new_request(request_id, i, prompt_ids, params, max_tokens, stream)
+            for i in range(params.n)
+        ]
         group[0].pending_siblings = group[1:]
         if session_id is not None:
             group[0].session_id = session_id
@@ -205,94 +137,82 @@ class LLMEngine:
         self._groups[request_id] = group
         group[0].remote_decode = remote_decode
         if grammar is not None and not grammar.done():
-            self._compiling.append((group, remote, grammar))
+            self._compiling.hold(group, remote, grammar)
         else:
             self._enqueue(group, remote, grammar)
-        self._num_prompt_tokens += len(prompt_ids)
+        self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
+
+    def _new_request(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stream: bool,
+    ) -> Request:
+        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        return Request(
+            request_id=request_id if params.n == 1 else f"{request_id}-{index}",
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrival),
+            group_id=request_id,
+            index=index,
+            stream=stream,
+            arrival_time=time.monotonic(),
+            generator=self.worker.new_generator(seed),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                if stream or params.stop
+                else None
+            ),
+        )
 
     def _enqueue(
         self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
     ) -> None:
         """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
         if grammar is not None:
-            compiled = grammar.result()
-            for req in group:
-                req.grammar = self.grammars.sequence(compiled, req.params.structured)
-        if remote is not None:
-            self._start_remote_prefill(group[0], remote)
-        else:
+            self._compiling.bind(group, grammar)
+        if remote is None:
             self.scheduler.add(group[0])
+            return
+        self.handoff.start(group[0], remote)
+        if group[0].grammar is not None:  # the prefill engine sampled it under the same grammar
+            group[0].grammar.advance(group[0].output_token_ids)
+        if not group[0].params.greedy:  # keep a seeded generator where an aggregated run would be
+            self.worker.skip_draw(group[0].generator)
 
     def _admit_compiled(self) -> None:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
-        still = []
-        for group, remote, grammar in self._compiling:
-            if not grammar.done():
-                still.append((group, remote, grammar))
-            elif grammar.exception() is not None:
-                group[0].error = str(grammar.exception())
-                for req in group:
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    req.finished_time = time.monotonic()
-                if group[0].session_id is not None:
-                    self.sessions.detach(group[0].session_id, group[0], keep_blocks=False)
-                if (out := self._group_output(group[0].group_id)) is not None:
-                    self._ready_outputs.append(out)
-            else:
-                self._enqueue(group, remote, grammar)
-        self._compiling = still
-
-    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        if not prompt_ids:
-            raise InvalidParamError("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParamError(
-                "prompt", f"token id {bad[0]} is outside the vocabulary (size {vocab})"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise InvalidParamError(
-                "n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
-            )
-        limit = self.max_model_len
-        if len(prompt_ids) >= limit:
-            raise PromptTooLongError(
-                "prompt",
-                f"This model's maximum context length is {limit} tokens; the prompt "
-                f"has {len(prompt_ids)} tokens, leaving no room to generate.",
-            )
-        if params.max_tokens is None:
-            return limit - len(prompt_ids)
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise PromptTooLongError(
-                "max_tokens",
-                f"This model's maximum context length is {limit} tokens. "
-                f"However, you requested {len(prompt_ids) + params.max_tokens} tokens "
-                f"({len(prompt_ids)} in the prompt, {params.max_tokens} in the completion).",
-            )
-        return params.max_tokens
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator:
-        return self.worker.new_generator(
-            seed + index if seed is not None else self._rng.getrandbits(63)
-        )
+        for c in self._compiling.take_done():
+            if c.grammar.exception() is None:
+                self._enqueue(c.group, c.remote, c.grammar)
+                continue
+            c.group[0].error = str(c.grammar.exception())
+            for req in c.group:
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.finished_time = time.monotonic()
+            if c.group[0].session_id is not None:
+                self.sessions.detach(c.group[0].session_id, c.group[0], keep_blocks=False)
+            if (out := self._group_output(c.group[0].group_id)) is not None:
+                self._ready_outputs.append(out)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        self._compiling = [c for c in self._compiling if c[0] is not group]
+        self._compiling.drop(group)
         for req in group:
             if req.status.finished:
                 continue
-            if req.pull_in_flight:  # the pull still writes into its blocks: freed when it completes
-                req.status = RequestStatus.FINISHED_ABORTED
+            if self.handoff.abort(req):
                 continue
-            if req in self._remote_waiting:
-                self._remote_waiting.remove(req)
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=False)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -300,27 +220,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return (
-            len(self.scheduler) > 0
-            or bool(self._remote_waiting)
-            or bool(self._ready_outputs)
-            or bool(self._compiling)
+        return bool(
+            len(self.scheduler)
+            or self.handoff.waiting
+            or self._ready_outputs
+            or len(self._compiling)
         )
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.leases.sweep()
-        self._admit_remote_prefills()
+        self.handoff.leases.sweep()
+        self.handoff.admit()
         self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
         batch = self.scheduler.schedule()
-        self._num_preemptions += len(batch.preempted)
+        self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
         logits, sampling = self.worker.execute(batch)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+        self.scheduler.update(batch)
         report: dict[str, None] = {}
         if sampling:
             out = sample(logits, sampling)
@@ -340,28 +258,16 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if logprob is not None:
             req.logprobs.append(logprob)
-        self._num_generated_tokens += 1
-        status, reason = stop_by_token(req, token, self.max_model_len)
-        detok = req.detokenizer
-        if detok is not None:
-            new_text = detok.add([token])
-            stops = req.params.stop
-            if stops and new_text and len(req.output_token_ids) >= req.params.min_tokens:
-                found = find_stop_string(detok.text, len(new_text), stops)
-                if found is not None:
-                    idx, stop = found
-                    req.stop_text_end = (
-                        idx + len(stop) if req.params.include_stop_str_in_output else idx
-                    )
-                    status, reason = RequestStatus.FINISHED_STOPPED, stop
+        self.totals.generated_tokens += 1
+        status, reason = check_stop(req, token, self.max_model_len)
         if status is not None:
             req.stop_reason = reason
-            if detok is not None and req.stop_text_end is None:
-                detok.finish()
+            if req.detokenizer is not None and req.stop_text_end is None:
+                req.detokenizer.finish()
             if req.session_id is not None:
                 self.sessions.detach(req.session_id, req, keep_blocks=True)
             if req.remote_decode:
-                self._grant_lease(req)
+                self.handoff.grant_lease(req)
             req.finished_time = time.monotonic()
             self.scheduler.finish(req, status)
 
@@ -377,160 +283,18 @@ class LLMEngine:
         group = self._groups.get(group_id)
         if group is None:
             return None
-        finished = all(r.status.finished for r in group)
-        if finished:
+        if all(r.status.finished for r in group):
             del self._groups[group_id]
-        return RequestOutput(
-            request_id=group_id,
-            prompt_token_ids=group[0].prompt_token_ids,
-            outputs=[self._completion(r) for r in group],
-            finished=finished,
-            num_cached_tokens=group[0].num_cached_tokens,
-            metrics=_timings(group),
-            kv_transfer_params=group[0].kv_transfer_params,
-            error=group[0].error,
-        )
-
-    def _completion(self, req: Request) -> CompletionOutput:
-        return CompletionOutput(
-            index=req.index,
-            text=self._text(req),
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-        )
-
-    def _text(self, req: Request) -> str:
-        detok = req.detokenizer
-        if detok is None:
-            if not req.status.finished:
-                return ""
-            return self.tokenizer.decode(
-                req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
-        if req.stop_text_end is not None:
-            return detok.text[: req.stop_text_end]
-        if req.status.finished:
-            return detok.text
-        return detok.text[: max(0, len(detok.text) - held_back(req.params.stop))]
+        return group_output(group_id, group, self.tokenizer)
 
     # ----- prefill/decode disaggregation ---------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        cfg = self.model_config
-        return KVLayout(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            self.config.block_size,
-            str(self.worker.dtype).removeprefix("torch."),
-        )
-
-    def _grant_lease(self, req: Request) -> None:
-        """Prefill side: the finished prompt's blocks stay held for the decode engine's pull."""
-        lease_id = self.leases.grant(req.block_ids)
-        req.kv_transfer_params = handoff_params(
-            self.engine_id,
-            req.block_ids,
-            req.num_computed_tokens,
-            lease_id,
-            self.kv_transfer_address,
-            req.output_token_ids[:1],
-            self.config.kv_lease_seconds,
-        )
-        req.block_ids, req.block_hashes = [], []
-
-    def _start_remote_prefill(self, req: Request, remote: RemotePrefill) -> None:
-        """Decode side: the prefill engine already sampled the first token; take it as ours."""
-        req.remote_prefill = remote
-        token = remote.first_token_ids[0]
-        req.output_token_ids.append(token)
-        if req.grammar is not None:  # the prefill engine sampled it under the same grammar
-            req.grammar.advance(req.output_token_ids)
-        req.first_token_time = time.monotonic()
-        if req.detokenizer is not None:
-            req.detokenizer.add([token])
-        if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
-            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
-                generator=req.generator
-            )
-        self._remote_waiting.append(req)
-
-    def _admit_remote_prefills(self) -> None:
-        """Give waiting decode-side requests blocks (local prefix hits first) and queue their pulls."""
-        still = []
-        for req in self._remote_waiting:
-            prefix = self.kv.find_cached_prefix(req)
-            hit = len(prefix.block_ids)
-            if not self.kv.allocate(req, req.num_prompt_tokens - hit * self.kv.block_size, prefix):
-                still.append(req)
-                continue
-            remote = req.remote_prefill
-            end = self.kv.blocks_for(req.num_prompt_tokens)
-            self._pull_tasks.append(
-                PullTask(
-                    req.request_id,
-                    remote.address,
-                    remote.lease_id,
-                    remote.engine_id,
-                    remote.block_ids[hit:end],
-                    req.block_ids[hit:end],
-                )
-            )
-            req.pull_in_flight = True
-            self._pulling[req.request_id] = req
-        self._remote_waiting = still
-
-    def take_pull_tasks(self) -> list[PullTask]:
-        """The pulls the host must run (off the engine thread), then report with ``complete_pull``."""
-        tasks, self._pull_tasks = self._pull_tasks, []
-        return tasks
-
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
-        req = self._pulling.pop(request_id, None)
-        if req is None:
-            return
-        req.pull_in_flight = False
-        if req.status.finished:  # aborted while its blocks were being written
-            self.kv.free(req)
-            return
-        if error is None:
-            req.num_computed_tokens = req.num_prompt_tokens
-            self.kv.cache_full_blocks(req)
-            self.scheduler.add(req, front=True)
-            return
-        self.kv.free(req)
-        if self.config.kv_pull_fallback == "recompute":
-            req.num_computed_tokens = 0
-            self.scheduler.add(req, front=True)
-            return
-        req.error = (
-            f"KV transfer from prefill engine {req.remote_prefill.engine_id} failed: {error}"
-        )
-        req.status = RequestStatus.FINISHED_ABORTED
-        req.finished_time = time.monotonic()
-        if (out := self._group_output(req.group_id)) is not None:
+        """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
+        req = self.handoff.complete_pull(request_id, error)
+        if req is not None and (out := self._group_output(req.group_id)) is not None:
             self._ready_outputs.append(out)
 
-    def release_lease(self, lease_id: str) -> bool:
-        """Any thread: hand a lease's blocks back (they are freed at the next step or sweep)."""
-        return self.leases.ask_release(lease_id)
-
-    def sweep_leases(self) -> int:
-        return self.leases.sweep()
-
     # ----- sessions and sleep --------------------------------------------------------------
-    def delete_session(self, session_id: str) -> bool:
-        return self.sessions.delete(session_id)
-
-    def expire_sessions(self, idle_seconds: float) -> int:
-        return self.sessions.expire(idle_seconds)
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self.sessions)
-
     @property
     def is_sleeping(self) -> bool:
         return self._sleep_level > 0
@@ -550,7 +314,7 @@ class LLMEngine:
                 f"{len(self._groups)} requests are in flight; abort them before sleeping"
             )
         self.sessions.clear()
-        self.leases.clear()
+        self.handoff.leases.clear()
         self.kv.pool.reset_prefix_cache()
         self.worker.sleep(level)
         self._sleep_level = level
@@ -565,40 +329,7 @@ class LLMEngine:
         self.worker.close()
         self.grammars.close()
 
-    # ----- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv=self.kv.stats(),
-            num_preemptions=self._num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
-            num_leases=len(self.leases),
-            num_pulling=len(self._pulling),
+        return EngineStats.of(
+            self.kv, self.scheduler, len(self.sessions), self.handoff, self.is_sleeping, self.totals
         )
-
-
-def _timings(group: list[Request]) -> dict[str, float]:
-    """Monotonic timestamps of the group: arrival, first token, finish (when known)."""
-    lead = group[0]
-    out = {"arrival_time": lead.arrival_time}
-    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
-    if firsts:
-        out["first_token_time"] = min(firsts)
-    if all(r.finished_time is not None for r in group):
-        out["finished_time"] = max(r.finished_time for r in group)
-    return out
-
-
-def eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer: object) -> set[int]:
-    """The ids that end generation: generation_config.json's, else config.json's, else the tokenizer's."""
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            return set(eos) if isinstance(eos, list) else {eos}
-    if cfg.eos_token_ids:
-        return set(cfg.eos_token_ids)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
-    return {eos_id} if eos_id is not None else set()

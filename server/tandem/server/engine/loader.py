@@ -1,6 +1,7 @@
-"""Load a HuggingFace-format model directory into our model classes.
+"""Load a HuggingFace-format model directory, or a GGUF file, into our model classes.
 
-Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, packs
+A GGUF file's weights come dequantized and renamed from ``gguf_loader``; a directory's:
+reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, packs
 q/k/v and gate/up into their fused layers, converts to the target dtype, and ties the
 output embedding when the config says so. Under tensor parallelism each rank keeps only its
 slice: the rows of every packed shard (q, k, v, gate, up: split per shard, not over the
@@ -19,8 +20,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from . import gguf_loader
 from .models import family_of
-from .models.config import DTYPES, ModelConfig
+from .models.config import DTYPES, ModelConfig, ModelLoadError
 from .models.layers import PackedLinear, RowParallelLinear
 from .parallel import SINGLE, TensorParallel
 
@@ -33,10 +35,6 @@ _PACKED_PARENT = {
     "up_proj": "gate_up_proj",
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-class ModelLoadError(ValueError):
-    """The directory is not a loadable model: a missing file, tensor or a shape that disagrees."""
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -79,7 +77,10 @@ def forget_in_memory_weights(model_dir: str | Path) -> None:
     _IN_MEMORY.pop(Path(model_dir).resolve(), None)
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(model_dir: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if gguf_loader.is_gguf(model_dir):
+        yield from gguf_loader.gguf_tensors(model_dir, cfg)
+        return
     in_memory = _IN_MEMORY.get(model_dir.resolve())
     if in_memory is not None:
         yield from in_memory.items()
@@ -94,8 +95,6 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
 ) -> nn.Module:
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise ModelLoadError(f"{model_dir} has no config.json")
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = family_of(cfg.architecture)(cfg, tp)
@@ -106,7 +105,7 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    for name, tensor in _checkpoint_tensors(model_dir):
+    for name, tensor in _checkpoint_tensors(model_dir, cfg):
         if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         loaded.add(_load_tensor(name, tensor, params, modules))

@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention import AttentionBackend, BatchLayout
 from .attention.base import SeqShape
+from .block_pool import NULL_BLOCK
 
 if TYPE_CHECKING:
     from .request import Request
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NULL_BLOCK = 0  # the reserved padding page: padded rows attend to it and write into it only
 MAX_GRAPH_BATCH = 512
 
 

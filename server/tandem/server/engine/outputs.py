@@ -1,8 +1,14 @@
-"""What the engine hands back per step, shaped like vLLM's ``RequestOutput``."""
+"""What the engine hands back per step, shaped like vLLM's ``RequestOutput``.
+
+A request added with ``stream=True`` gets deltas (vLLM's ``RequestOutputKind.DELTA``): each
+output holds only the choices with something new (text, or their finish), and for each
+only the text, tokens and logprobs since that choice was last reported; ``merge`` joins two
+of them. Any other request gets one cumulative output when it finishes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .request import TokenLogprob
@@ -21,9 +27,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def cumulative_logprob(self) -> float | None:
-        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
+    def merge(self, later: CompletionOutput) -> CompletionOutput:
+        """This delta followed by ``later``, as one."""
+        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return CompletionOutput(
+            self.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            later.finish_reason,
+            later.stop_reason,
+            lps,
+        )
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,13 @@ class RequestOutput:
         None  # a prefill engine's handle for the decode side
     )
     error: str | None = None  # why a request ended without finishing (a failed KV pull, say)
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """Two deltas of one request as one (a consumer that fell behind takes them together)."""
+        choices = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            choices[c.index] = choices[c.index].merge(c) if c.index in choices else c
+        return replace(later, outputs=[choices[i] for i in sorted(choices)])
 
     # The first choice's fields, for the common n = 1 case.
     @property

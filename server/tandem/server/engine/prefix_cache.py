@@ -58,9 +58,6 @@ class PrefixCache:
         if entry is not None:
             del self._by_hash[entry[0]]
 
-    def is_cached(self, block_id: int) -> bool:
-        return block_id in self._entry
-
     def record(self, queried_tokens: int, hit_tokens: int) -> None:
         self.queries += queried_tokens
         self.hits += hit_tokens

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .kv_transfer import RemotePrefill
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,10 +68,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    # A streamed request's deltas: how much of it has been reported already.
+    num_reported_tokens: int = 0
+    num_reported_logprobs: int = 0  # a decode-side request's first token came without one
+    num_reported_chars: int = 0
+    finish_reported: bool = False
     # P/D: a prefill-role request keeps its blocks under a lease when it finishes; a
     # decode-role request gets its prompt's K/V by a pull before it is scheduled.
     remote_decode: bool = False
-    remote_prefill: Any = None  # tandem.server.disagg.kv_transfer.RemotePrefill
+    remote_prefill: RemotePrefill | None = None
     pull_in_flight: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None

@@ -29,8 +29,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     apply_grammar_masks(logits, [r.grammar for r in requests])
     raw_logprobs = _raw_logprobs(logits, requests)
     processed = _process(logits, requests)
-    tokens = torch.empty(len(requests), dtype=torch.int64)
     greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+    if len(greedy) == len(requests) and all(lp is None for lp in raw_logprobs):
+        # All greedy, no logprobs (the common batch): one argmax, no row gather or copy.
+        return SamplerOutput(processed.argmax(dim=-1).tolist(), raw_logprobs)
+    tokens = torch.empty(len(requests), dtype=torch.int64)
     if greedy:
         tokens[greedy] = processed[greedy].argmax(dim=-1).cpu()
     for i, req in enumerate(requests):

@@ -112,6 +112,12 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
 
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the model ran: the scheduled tokens are computed; publish the blocks they filled."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+
     def add_running(self, req: Request) -> None:
         """Put a forked sibling straight into the running set; its shared blocks are already held."""
         req.status = RequestStatus.RUNNING

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from .kv_cache_manager import KVCacheManager
 from .prefix_cache import chain_hashes
 from .request import Request
+from .sampling_params import InvalidParamError
 
 
 @dataclass
@@ -102,6 +103,15 @@ class SessionStore:
         self.held_blocks -= len(s.block_ids)
         self.kv.pool.free(s.block_ids)
         s.token_ids, s.block_ids = [], []
+
+    def check_can_attach(self, session_id: str, n: int) -> None:
+        """A session runs one sequence at a time: ``n > 1`` or a second request is a 400."""
+        if n != 1:
+            raise InvalidParamError("n", "a request in a session takes n=1")
+        if self.is_busy(session_id):
+            raise InvalidParamError(
+                "session_id", f"session {session_id!r} already has a request in flight"
+            )
 
     def is_busy(self, session_id: str) -> bool:
         s = self._sessions.get(session_id)

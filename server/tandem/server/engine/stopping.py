@@ -20,6 +20,26 @@ def stop_by_token(
     return None, None
 
 
+def check_stop(
+    req: Request, token: int, max_model_len: int
+) -> tuple[RequestStatus | None, str | int | None]:
+    """Whether ``token``, just appended, ends ``req`` (and why); feeds its detokenizer. A
+    matched stop string sets ``req.stop_text_end``, where the output text is cut."""
+    status, reason = stop_by_token(req, token, max_model_len)
+    detok = req.detokenizer
+    if detok is None:
+        return status, reason
+    new_text = detok.add([token])
+    stops = req.params.stop
+    if stops and new_text and len(req.output_token_ids) >= req.params.min_tokens:
+        found = find_stop_string(detok.text, len(new_text), stops)
+        if found is not None:
+            idx, stop = found
+            req.stop_text_end = idx + len(stop) if req.params.include_stop_str_in_output else idx
+            return RequestStatus.FINISHED_STOPPED, stop
+    return status, reason
+
+
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     """The earliest stop string that ends inside the newest characters of ``text``.
 

@@ -180,6 +180,7 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@torch.inference_mode()  # the model's logits are inference tensors: written in place only here
 def apply_grammar_masks(logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> None:
     """Mask, in place, the rows whose sequence has an active grammar: one bitmask for the step,
     filled row by row, applied in one call."""

@@ -167,8 +167,9 @@ def default_model_dir(arch: str = "llama", seed: int = 0) -> Path:
     """The embedded default: made on first use into the user's cache, then reused."""
     import os
 
-    root = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
-    path = root / f"tiny-{arch}-seed{seed}"
+    from .default_model import cache_dir
+
+    path = cache_dir() / f"tiny-{arch}-seed{seed}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp, TinyModelSpec(arch=arch, seed=seed))

@@ -198,6 +198,11 @@ class Worker:
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def skip_draw(self, generator: torch.Generator) -> None:
+        """Advance ``generator`` past one token's draw, as sampling that token would have."""
+        vocab = self.model_config.vocab_size
+        torch.empty(vocab, device=self.device).exponential_(generator=generator)
+
     def sleep(self, level: int) -> None:
         if self._ranks is not None:
             self._ranks.send(("sleep", level))

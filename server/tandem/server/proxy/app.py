@@ -155,10 +155,11 @@ def build_app(settings: ProxySettings) -> FastAPI:
 
 
 def _credentials(settings: ProxySettings) -> Credentials:
+    """The proxy is the clients' front door: with no client key configured, clients need
+    none (the admin and internal planes stay closed)."""
     c = settings.credentials
-    if not settings.api_key:
-        return c
-    return Credentials(c.client_keys | {settings.api_key}, c.internal_key, c.admin_key)
+    clients = c.client_keys | ({settings.api_key} if settings.api_key else set())
+    return Credentials(frozenset(clients), c.internal_key, c.admin_key, keyless_clients=True)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -344,8 +345,12 @@ def _add_node_routes(app: FastAPI) -> None:
     async def add_node(request: Request) -> dict[str, Any]:
         """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
         state = get_state(request)
-        url, role, models = node_fields(await _json_body(request))
-        node = state.registry.add(url, role, models, source="registered")
+        body = await _json_body(request)
+        url, role, models = node_fields(body)
+        layout = (body.get("status") or {}).get("kv_layout")  # Tandem's addition, optional
+        node = state.registry.add(
+            url, role, models, source="registered", kv_layout=str(layout) if layout else None
+        )
         await state.poller.probe(url)
         return {
             "url": node.url,
@@ -545,6 +550,11 @@ class _ProxyCollector(Collector):
                 "tandem_proxy_client_disconnects",
                 "Clients that left before their answer",
                 stats.client_disconnects,
+            ),
+            (
+                "tandem_proxy_unserved_requests",
+                "Requests refused because no engine was running (activates a pool at zero)",
+                stats.unserved,
             ),
         ]:
             yield CounterMetricFamily(name, doc, value=value)

@@ -22,6 +22,7 @@ log = logging.getLogger("tandem.proxy")
 
 ROLE_LABEL = "tandem.dev/role"
 MODEL_ANNOTATION = "tandem.dev/served-model-name"
+KV_LAYOUT_LABEL = "tandem.dev/kv-layout"
 DEFAULT_ENGINE_PORT = 8000
 
 
@@ -91,7 +92,8 @@ class PodTracker:
         if node is not None:
             url, role, models = node
             self._by_pod[key] = url
-            self.registry.add(url, role, models, source="kubernetes")
+            layout = ((pod.get("metadata") or {}).get("labels") or {}).get(KV_LAYOUT_LABEL)
+            self.registry.add(url, role, models, source="kubernetes", kv_layout=layout)
 
     def resync(self, pods: list[dict[str, Any]]) -> None:
         """A full listing: add what is there, drop what is gone."""

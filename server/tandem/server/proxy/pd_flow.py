@@ -54,6 +54,7 @@ DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.2
 # Statuses after which the same request may succeed on another engine (nothing ran there).
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+RETRY_AFTER_SECONDS = 15  # a 503 for want of engines: about one autoscaler poll
 
 
 class ProxyError(Exception):
@@ -67,6 +68,7 @@ class ProxyError(Exception):
         type: str,
         code: str | None = None,
         param: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -74,13 +76,16 @@ class ProxyError(Exception):
         self.type = type
         self.code = code
         self.param = param
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def error_body(
@@ -115,6 +120,7 @@ class FlowStats:
     lease_releases: int = 0
     fallbacks_aggregated: int = 0
     client_disconnects: int = 0
+    unserved: int = 0  # refused for want of any engine: scale-from-zero demand
     latency_sum: float = 0.0
     latency_count: int = 0
 
@@ -268,7 +274,12 @@ class PDFlow:
         picked = self._pick(decoders, chunks, prompt_tokens)
         assert picked is not None
         decode, cached = picked
-        prefillers = self.registry.routable(PREFILL_ROLES, model)
+        # Pair only engines of one KV layout: mid-rollout, old prefill and new decode meet.
+        prefillers = [
+            p
+            for p in self.registry.routable(PREFILL_ROLES, model)
+            if p.kv_layout == decode.kv_layout
+        ]
         why_not = routing.disaggregatable(kind, body)
         if session_key is not None:
             why_not = "session"  # a session's blocks stay on the engine that holds it
@@ -277,8 +288,9 @@ class PDFlow:
             and why_not is None
             and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
         ):
+            same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
             return await self.disaggregated(
-                kind, body, request, chunks, prompt_tokens, prefillers, decode, decoders
+                kind, body, request, chunks, prompt_tokens, prefillers, decode, same_layout
             )
         return await self.forward(
             decode, kind, body, request, chunks, decoders, session_key
@@ -296,12 +308,17 @@ class PDFlow:
                 code="model_not_found",
                 param="model",
             )
+        # Scaled to zero, or starting: this request is the demand that activates the pool
+        # (the unserved counter); the client is told when to come back.
+        self.stats.unserved += 1
         raise ProxyError(
             503,
-            "no engine is available to serve this request (no healthy decode or aggregated "
-            "engine" + (f" for model {model!r}" if model else "") + ")",
+            "no engine is running to serve this request (no healthy decode or aggregated "
+            "engine" + (f" for model {model!r}" if model else "") + "); if the pool is "
+            f"scaled to zero it is starting now: retry after {RETRY_AFTER_SECONDS} seconds",
             type="service_unavailable",
             code="no_engine_available",
+            retry_after=RETRY_AFTER_SECONDS,
         )
 
     # --- aggregated: one engine serves the whole request ---------------------------------------

@@ -21,39 +21,13 @@ from typing import Any
 
 import httpx
 
+from tandem.server.api.registration import ROLE_IDS, parse_role
+
 log = logging.getLogger("tandem.proxy")
 
-# LMDeploy's EngineRole: Hybrid = 1, Prefill = 2, Decode = 3. "both" is Tandem's hybrid.
-ROLE_IDS = {"both": 1, "prefill": 2, "decode": 3}
-ROLE_NAMES = {v: k for k, v in ROLE_IDS.items()}
-ROLE_ALIASES = {"hybrid": "both", "aggregated": "both", "p": "prefill", "d": "decode"}
 # Which roles serve which step: decode engines also answer plain requests (aggregated).
 DECODE_ROLES = frozenset({"decode", "both"})
 PREFILL_ROLES = frozenset({"prefill"})
-
-
-def parse_role(value: Any) -> str:
-    """A role from LMDeploy's integer enum or a name ("both"/"hybrid", "prefill", "decode")."""
-    if value is None:
-        return "both"
-    if isinstance(value, bool):
-        raise ValueError(f"invalid role {value!r}")
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
-        try:
-            return ROLE_NAMES[int(value)]
-        except KeyError:
-            raise ValueError(
-                f"invalid role {value!r}: the EngineRole values are 1 (hybrid), 2 (prefill), "
-                "3 (decode)"
-            ) from None
-    if isinstance(value, str):
-        name = value.strip().lower()
-        if name.startswith("enginerole."):
-            name = name[len("enginerole.") :]
-        name = ROLE_ALIASES.get(name, name)
-        if name in ROLE_IDS:
-            return name
-    raise ValueError(f"invalid role {value!r}: use both (hybrid), prefill or decode")
 
 
 def normalize_url(url: str) -> str:
@@ -74,6 +48,9 @@ class Node:
     role: str
     models: list[str] = field(default_factory=list)
     source: str = "registered"  # "static" | "registered" | "kubernetes"
+    kv_layout: str | None = None
+    """Hash of the engine's KV-layout settings (Kubernetes discovery reads it from the pod):
+    a prefill engine hands KV blocks only to a decode engine of the same layout."""
     healthy: bool = False
     ever_healthy: bool = False
     failures: int = 0  # consecutive failures to answer (health polls or requests)
@@ -142,6 +119,7 @@ class Registry:
         models: list[str] | None = None,
         *,
         source: str = "registered",
+        kv_layout: str | None = None,
     ) -> Node:
         """Add or update a node; re-adding keeps its counters (an engine re-registering after
         a proxy restart or a discovery resync is the same engine)."""
@@ -165,6 +143,7 @@ class Registry:
                 node.models = list(models)
             if source == "static" or node.source != "static":
                 node.source = source
+        node.kv_layout = kv_layout
         return node
 
     def remove(self, url: str) -> Node | None:

@@ -34,7 +34,6 @@ from .base import AttentionBackend, AttentionStep, BatchLayout
 
 WORKSPACE_BYTES = 128 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-NULL_PAGE = 0
 
 
 @dataclass(frozen=True)

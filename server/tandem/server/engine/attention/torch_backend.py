@@ -24,6 +24,7 @@ class _Group:
     mask: (
         torch.Tensor | None
     )  # [B, 1, Lq, nb * block_size] bool; None: fresh prefills, plain causal
+    padding: torch.Tensor | None = None  # decodes: [1, B, 1, nb * block_size] bool, True = no key
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -67,11 +68,15 @@ class TorchAttentionBackend(AttentionBackend):
         causal = kv_pos[None, None, :] <= q_abs[:, :, None]
         mask = causal & (kv_pos[None, None, :] < kv_lens[:, None, None]) & query_valid[:, :, None]
         mask |= ~query_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # padded rows: no NaN
+        padding = None
+        if max_q == 1:
+            padding = (kv_pos[None, :] >= kv_lens[:, None]).view(1, len(idx), 1, -1).to(device)
         return _Group(
             token_index.to(device),
             query_valid.to(device),
             tables.to(device),
             mask.unsqueeze(1).to(device),
+            padding,
         )
 
 
@@ -88,32 +93,46 @@ class _TorchStep(AttentionStep):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv = self.kv_cache.flat_kv(layer)  # [2, slots, H_kv, D]
-        kv.index_copy_(1, self.slot_mapping, torch.stack((k, v)).to(kv.dtype))
+        kv[0].index_copy_(0, self.slot_mapping, k.to(kv.dtype))
+        kv[1].index_copy_(0, self.slot_mapping, v.to(kv.dtype))
         pages = self.kv_cache.data[layer]  # [2, blocks, block_size, H_kv, D]
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for g in self.groups:
-            qg = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
-            b, nb = g.block_tables.shape
-            # index_select on whole pages: several times faster than advanced indexing on CPU
-            gathered = pages.view(2, pages.shape[1], -1).index_select(1, g.block_tables.view(-1))
-            gathered = gathered.view(2, b, nb * pages.shape[2], *pages.shape[3:])
-            kg, vg = gathered.to(q.dtype).transpose(2, 3).unbind(0)  # [B, H_kv, Lk, D] each
-            if qg.shape[2] == 1:
-                # one explicit copy to [B, H_kv, Lk, D] is cheaper than matmul's own on strided views
-                og = _grouped_decode(qg, kg.contiguous(), vg.contiguous(), g.mask, self.scale)
-            else:
-                og = F.scaled_dot_product_attention(
-                    qg,
-                    kg,
-                    vg,
-                    attn_mask=g.mask,
-                    is_causal=g.mask is None,
-                    scale=self.scale,
-                    enable_gqa=gqa,
+            if g.padding is not None:
+                out[g.token_index[:, 0]] = _paged_decode(
+                    q[g.token_index[:, 0]], pages, g, self.scale
                 )
+                continue
+            qg = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
+            if g.mask is None and kv.dtype == q.dtype:
+                # fresh prompts: their keys are exactly this step's, no need to read the pages
+                kg, vg = k[g.token_index].transpose(1, 2), v[g.token_index].transpose(1, 2)
+            else:
+                kg, vg = _gather_pages(pages, g.block_tables, q.dtype)
+            og = F.scaled_dot_product_attention(
+                qg,
+                kg,
+                vg,
+                attn_mask=g.mask,
+                is_causal=g.mask is None,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
             out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
         return out
+
+
+def _gather_pages(
+    pages: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each sequence's pages as ``[B, H_kv, Lk, D]`` views (token-major underneath)."""
+    b, nb = tables.shape
+    # index_select on whole pages: several times faster than advanced indexing on CPU
+    gathered = pages.view(2, pages.shape[1], -1).index_select(1, tables.view(-1))
+    gathered = gathered.view(2, b, nb * pages.shape[2], *pages.shape[3:])
+    kg, vg = gathered.to(dtype).transpose(2, 3).unbind(0)
+    return kg, vg
 
 
 def _split_by_length(idx: list[int], kv_lens: list[int]) -> list[list[int]]:
@@ -132,14 +151,28 @@ def _padded(table: list[int], width: int) -> list[int]:
     return table[:width] + [0] * (width - len(table))
 
 
-def _grouped_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query per sequence: the query heads sharing a KV head attend as one matrix row block,
-    so K and V are never expanded per query head (SDPA's GQA path copies them on CPU)."""
-    b, h, _, d = q.shape
-    h_kv = k.shape[1]
-    qg = q.view(b, h_kv, h // h_kv, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, H_kv, G, Lk]
-    scores = scores.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, Lk] broadcasts
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, 1, d)
+def _paged_decode(q: torch.Tensor, pages: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+    """One query per sequence, q: [B, H, D]; returns [B, H, D].
+
+    The pages are gathered head-major (``[2, H_kv, B * nb, block_size, D]``) by one
+    ``index_select`` into a contiguous buffer, so each (KV head, sequence) pair's keys are one
+    contiguous ``[Lk, D]`` matrix: both matmuls run as plain ``bmm`` over ``H_kv * B`` batches
+    with no further copy of K or V (the old token-major gather needed a transposed copy of
+    each), and the query heads sharing a KV head form one row block, so K/V are never expanded
+    per query head.
+    """
+    b, h, d = q.shape
+    _, _, bs, h_kv, _ = pages.shape
+    nb = g.block_tables.shape[1]
+    lk = nb * bs
+    kv = torch.empty(2, h_kv, b * nb, bs, d, dtype=pages.dtype, device=pages.device)
+    torch.index_select(pages.permute(0, 3, 1, 2, 4), 2, g.block_tables.view(-1), out=kv)
+    kv = kv.view(2, h_kv * b, lk, d)
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
+    group = h // h_kv
+    qh = q.view(b, h_kv, group, d).transpose(0, 1).reshape(h_kv * b, group, d)
+    scores = torch.bmm(qh, kv[0].transpose(1, 2)).mul_(scale)  # [H_kv * B, G, Lk]
+    scores.view(h_kv, b, group, lk).masked_fill_(g.padding, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), kv[1])  # [H_kv * B, G, D]
+    return out.view(h_kv, b, group, d).transpose(0, 1).reshape(b, h, d)

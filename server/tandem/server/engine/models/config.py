@@ -1,4 +1,8 @@
-"""The subset of a HuggingFace config.json our decoder models need, read once and frozen."""
+"""The subset of a HuggingFace config.json our decoder models need, read once and frozen.
+
+A model is an HF-format directory (its ``config.json``) or a GGUF file (its metadata, mapped
+onto the same fields by ``gguf_loader``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """Not a loadable model: a missing file or tensor, a shape that disagrees, an unsupported
+    architecture or format. The message names what; the CLIs print it instead of a traceback."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,18 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
-        return ModelConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+        """From ``model_dir/config.json``, or from the metadata when ``model_dir`` is a .gguf."""
+        from ..gguf_loader import gguf_model_config, is_gguf
+
+        if is_gguf(model_dir):
+            return gguf_model_config(model_dir)
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir} has no config.json (an HF-format model directory)")
+        try:
+            return ModelConfig.from_dict(json.loads(path.read_text()))
+        except ValueError as exc:  # bad JSON, or an architecture we have no family for
+            raise ModelLoadError(f"{path}: {exc}") from None
 
     @staticmethod
     def from_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -76,3 +96,16 @@ def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
             raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048),
         )
     return params
+
+
+def eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer: object) -> set[int]:
+    """The ids that end generation: generation_config.json's, else config.json's, else the tokenizer's."""
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {eos}
+    if cfg.eos_token_ids:
+        return set(cfg.eos_token_ids)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    return {eos_id} if eos_id is not None else set()

@@ -15,7 +15,7 @@ from ..attention.base import AttentionStep
 from ..parallel import SINGLE, TensorParallel
 from .config import ModelConfig
 from .layers import GatedMLP, PackedLinear, RMSNorm, RowParallelLinear
-from .rope import RotaryEmbedding
+from .rope import RopeTables, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -41,9 +41,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.split = [q, kv, kv]
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionStep
-    ) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -51,7 +49,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         out = attn.forward(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -66,10 +64,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionStep
-    ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), attn)
+    def forward(self, rope: RopeTables, h: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -79,6 +75,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rotary = rotary  # shared by every layer's attention
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_hidden_layers)
@@ -89,8 +86,9 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
         for layer in self.layers:
-            h = layer(positions, h, attn)
+            h = layer(rope, h, attn)
         return self.norm(h)
 
 

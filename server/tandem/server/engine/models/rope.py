@@ -82,6 +82,9 @@ def _yarn(
     return inv_freq, attention_factor
 
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, rotary_dim] each
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for every position up to ``max_position``; applied in place of HF's."""
 
@@ -95,11 +98,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin rows of a step's positions, looked up once per step rather than per layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, rope: RopeTables, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = rope
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 import traceback
@@ -26,6 +25,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from tandem.server.net import free_port
 
 from . import TensorParallel
 
@@ -36,12 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timeout() -> datetime.timedelta:

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.server.engine.sampling_params import InvalidParamError
+import torch
+
+from .models.config import ModelConfig
+from .sampling_params import InvalidParamError
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,16 @@ class KVLayout:
             if getattr(self, k) != getattr(other, k)
         ]
         return "KV layout mismatch (" + "; ".join(diffs) + ")" if diffs else None
+
+    @staticmethod
+    def of(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+        return KVLayout(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            block_size,
+            str(dtype).removeprefix("torch."),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dict(

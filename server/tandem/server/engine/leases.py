@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tandem.server.engine.block_pool import BlockPool
+from .block_pool import BlockPool
 
 
 @dataclass

@@ -10,24 +10,55 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import httpx
 
-from .registry import ROLE_IDS, parse_role
-
 log = logging.getLogger("tandem.proxy")
+
+# LMDeploy's EngineRole: Hybrid = 1, Prefill = 2, Decode = 3. "both" is Tandem's hybrid.
+ROLE_IDS = {"both": 1, "prefill": 2, "decode": 3}
+ROLE_NAMES = {v: k for k, v in ROLE_IDS.items()}
+ROLE_ALIASES = {"hybrid": "both", "aggregated": "both", "p": "prefill", "d": "decode"}
+
+
+def parse_role(value: Any) -> str:
+    """A role from LMDeploy's integer enum or a name ("both"/"hybrid", "prefill", "decode")."""
+    if value is None:
+        return "both"
+    if isinstance(value, bool):
+        raise ValueError(f"invalid role {value!r}")
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        try:
+            return ROLE_NAMES[int(value)]
+        except KeyError:
+            raise ValueError(
+                f"invalid role {value!r}: the EngineRole values are 1 (hybrid), 2 (prefill), "
+                "3 (decode)"
+            ) from None
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name.startswith("enginerole."):
+            name = name[len("enginerole.") :]
+        name = ROLE_ALIASES.get(name, name)
+        if name in ROLE_IDS:
+            return name
+    raise ValueError(f"invalid role {value!r}: use both (hybrid), prefill or decode")
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def node_body(engine_url: str, role: str | int, models: list[str]) -> dict:
-    """LMDeploy's ``/nodes/add`` body: ``{"url", "status": {"models", "role"}}``."""
-    return {
-        "url": engine_url.rstrip("/"),
-        "status": {"models": list(models), "role": ROLE_IDS[parse_role(role)]},
-    }
+def node_body(
+    engine_url: str, role: str | int, models: list[str], kv_layout: str | None = None
+) -> dict:
+    """LMDeploy's ``/nodes/add`` body: ``{"url", "status": {"models", "role"}}``, plus
+    Tandem's optional ``kv_layout`` (the proxy pairs prefill and decode of one layout)."""
+    status: dict = {"models": list(models), "role": ROLE_IDS[parse_role(role)]}
+    if kv_layout:
+        status["kv_layout"] = kv_layout
+    return {"url": engine_url.rstrip("/"), "status": status}
 
 
 async def register_engine(
@@ -38,10 +69,11 @@ async def register_engine(
     api_key: str | None = None,
     attempts: int = 30,
     delay: float = 1.0,
+    kv_layout: str | None = None,
 ) -> None:
     """Add this engine to the proxy, retrying while the proxy is not up yet (engines and the
     proxy start together under ``tandem up`` and in a cluster). Raises after ``attempts``."""
-    body = node_body(engine_url, role, models)
+    body = node_body(engine_url, role, models, kv_layout)
     last: Exception | None = None
     async with httpx.AsyncClient(timeout=10.0) as client:
         for i in range(max(1, attempts)):

@@ -1,0 +1,431 @@
+"""Tandem against vLLM's CPU build on the same machine, model and prompts, in one invocation.
+
+Offline: each side runs ``LLM.generate`` in its own process (Tandem in this venv, vLLM in the
+peer venv that ``bench/vllm_peer.py`` builds) on 32 prompts of random token ids (16..256
+tokens), outputs 16..128 tokens, ``ignore_eos``, greedy; and on the same with a 512-token
+shared prefix. Prefix caching is on for both sides (the cache is reset between runs, so only
+a run's own shared prefix hits). fp32 and bf16. The two sides alternate run by run and each
+keeps its best time: on a shared, noisy machine only the ratio means anything, so the load
+average is printed beside it.
+
+Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
+``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
+``--backend openai``, random dataset, input 256, output 128, ``--ignore-eos``, at each
+concurrency; output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of
+the client's wall time that the engine did not spend inside ``engine.step()``.
+
+    python bench/vs_vllm.py [--repeats 2] [--dtypes float32,bfloat16] [--no-serving]
+           [--no-offline] [--concurrency 1,4,16]
+
+Only the standard library is imported at the top: the same file is the offline child of both
+venvs (``--child tandem|vllm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SERVED_NAME = "smollm2"
+THREADS = int(os.environ.get("TANDEM_BENCH_THREADS", "0"))  # 0: each side's default (all cores)
+
+
+# ----- the workload (both children build it from the same seed) ------------------------------
+def workload(
+    shared_prefix: int, num: int = 32, vocab: int = 49152, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    prompts = [
+        prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))] for _ in range(num)
+    ]
+    outputs = [rng.randint(16, 128) for _ in range(num)]
+    return prompts, outputs
+
+
+# ----- children: one engine each, driven over stdin/stdout ----------------------------------
+def child(side: str, model: str, dtype: str, num: int) -> None:
+    run = _tandem_child(model, dtype, num) if side == "tandem" else _vllm_child(model, dtype, num)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        prefix = int(line)
+        prompts, outputs = workload(prefix, num)
+        elapsed = run(prompts, outputs)
+        print(json.dumps({"seconds": elapsed, "tokens": sum(outputs)}), flush=True)
+
+
+def _tandem_child(model: str, dtype: str, num: int):
+    from tandem.server.engine import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        dtype=dtype,
+        kv_cache_tokens=num * 1000,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=True,
+    )
+
+    def run(prompts: list[list[int]], outputs: list[int]) -> float:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+        llm.engine.kv.pool.reset_prefix_cache()
+        start = time.perf_counter()
+        results = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert [len(r.token_ids) for r in results] == outputs
+        return elapsed
+
+    warm, _ = workload(0, 2)
+    run(warm, [4, 4])
+    return run
+
+
+def _vllm_child(model: str, dtype: str, num: int):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+
+    def run(prompts: list[list[int]], outputs: list[int]) -> float:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert [len(r.outputs[0].token_ids) for r in results] == outputs
+        return elapsed
+
+    warm, _ = workload(0, 2)
+    run(warm, [4, 4])
+    return run
+
+
+class Child:
+    """One engine in its own process, told which workload to run, line by line."""
+
+    def __init__(self, python: str, side: str, model: str, dtype: str, num: int) -> None:
+        cmd = [python, "-P", __file__, "--child", side, "--model", model, "--dtypes", dtype]
+        cmd += ["--num-prompts", str(num)]
+        self.side = side
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(side)
+        )
+        for line in self.proc.stdout:
+            if line.strip() == "READY":
+                return
+        raise RuntimeError(f"the {side} child exited before it was ready")
+
+    def run(self, shared_prefix: int) -> tuple[float, int]:
+        self.proc.stdin.write(f"{shared_prefix}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                out = json.loads(line)
+                return out["seconds"], out["tokens"]
+        raise RuntimeError(f"the {self.side} child died")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _env(side: str, threads: int | None = None) -> dict[str, str]:
+    """Each side's environment; ``threads`` caps both sides' compute threads alike."""
+    env = dict(os.environ)
+    threads = threads or THREADS
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+    if side == "tandem":
+        roots = [str(ROOT / "server"), str(ROOT / "operator"), str(ROOT)]
+        env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
+    else:
+        env.pop("PYTHONPATH", None)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def offline(
+    peer: str | None, model: str, dtypes: list[str], repeats: int, num: int
+) -> list[tuple[str, float]]:
+    ratios = []
+    for dtype in dtypes:
+        sides = {"tandem": Child(sys.executable, "tandem", model, dtype, num)}
+        if peer:
+            sides["vllm"] = Child(peer, "vllm", model, dtype, num)
+        for prefix in (0, 512):
+            times: dict[str, list[float]] = {s: [] for s in sides}
+            tokens = 0
+            loads = []
+            for r in range(repeats):
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))
+                for s in order:
+                    t, tokens = sides[s].run(prefix)
+                    times[s].append(t)
+                loads.append(load())
+            label = f"offline {dtype:8s} prefix={prefix:3d}"
+            best = {s: min(v) for s, v in times.items()}
+            runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in times.items())
+            print(f"{label}: runs (s) {runs}; load {loads}")
+            line = f"{label}: tandem {tokens / best['tandem']:7.1f} tok/s"
+            if "vllm" in best:
+                ratio = best["vllm"] / best["tandem"]
+                ratios.append((label, ratio))
+                line += f"  vllm {tokens / best['vllm']:7.1f} tok/s  ratio {ratio:.2f}x"
+            print(line, flush=True)
+        for c in sides.values():
+            c.close()
+    return ratios
+
+
+# ----- serving ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, side: str, cmd: list[str], port: int, log: Path) -> None:
+        self.side, self.port = side, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(side), start_new_session=True
+        )
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.side} server exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"{self.side} server not ready after {timeout} s")
+
+    def step_seconds(self) -> float | None:
+        """Tandem's engine time so far (its /metrics); None for a server without it."""
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        m = re.search(r"^tandem:engine_step_seconds\{[^}]*\} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def bench_serve(
+    peer_bin: Path, server: Server, model: str, backend: str, conc: int, out: Path
+) -> dict:
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    name = f"{server.side}-{backend}-{conc}.json"
+    cmd = [
+        str(peer_bin / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        backend,
+        "--base-url",
+        server.url,
+        "--endpoint",
+        endpoint,
+        "--model",
+        model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "128",
+        "--ignore-eos",
+        "--max-concurrency",
+        str(conc),
+        "--num-prompts",
+        str(max(4, 2 * conc)),
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        "0",
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        name,
+    ]
+    before = server.step_seconds()
+    done = subprocess.run(cmd, env=_env("vllm"), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    result = json.loads((out / name).read_text())
+    after = server.step_seconds()
+    if before is not None and after is not None:
+        result["server_overhead"] = 1.0 - (after - before) / result["duration"]
+    return result
+
+
+def serving(peer: Path, model: str, dtype: str, concurrency: list[int]) -> list[tuple[str, float]]:
+    peer_bin = peer.parent
+    work = Path(tempfile.mkdtemp(prefix="tandem-vs-vllm-"))
+    tp, vp = free_port(), free_port()
+    servers = {
+        "tandem": Server(
+            "tandem",
+            [sys.executable, "-m", "tandem.server.cli", "serve", "--model", model, "--dtype", dtype]
+            + ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(tp)]
+            + ["--log-level", "warning"],
+            tp,
+            work / "tandem.log",
+        ),
+        "vllm": Server(
+            "vllm",
+            [str(peer_bin / "vllm"), "serve", model, "--dtype", dtype]
+            + ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(vp)]
+            + ["--max-model-len", "2048", "--enable-prefix-caching"],
+            vp,
+            work / "vllm.log",
+        ),
+    }
+    ratios = []
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        for i, conc in enumerate(concurrency):
+            for backend in ("openai-chat", "openai"):
+                order = ["tandem", "vllm"] if i % 2 == 0 else ["vllm", "tandem"]
+                res = {
+                    s: bench_serve(peer_bin, servers[s], model, backend, conc, work) for s in order
+                }
+                label = f"serve {dtype} {backend:11s} c={conc:2d}"
+                for s in ("tandem", "vllm"):
+                    r = res[s]
+                    extra = ""
+                    if "server_overhead" in r:
+                        extra = f"  server overhead {100 * r['server_overhead']:.1f}%"
+                    print(
+                        f"{label} {s:6s}: {r['output_throughput']:7.1f} tok/s  "
+                        f"TTFT p50 {r['median_ttft_ms']:7.1f} p99 {r['p99_ttft_ms']:7.1f} ms  "
+                        f"ITL p50 {r['median_itl_ms']:6.1f} p99 {r['p99_itl_ms']:6.1f} ms{extra}"
+                    )
+                ratio = res["tandem"]["output_throughput"] / res["vllm"]["output_throughput"]
+                ratios.append((label, ratio))
+                print(f"{label} ratio tandem/vllm {ratio:.2f}x  load {load()}", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    return ratios
+
+
+def machine() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    isa = sorted(
+        f for f in (flags.group(1).split() if flags else []) if re.match(r"(avx|amx|fma|f16c)", f)
+    )
+    return (
+        f"machine: {os.cpu_count()} cores, {name.group(1) if name else '?'}\n"
+        f"ISA: {' '.join(isa)}\nload average at start: {load()}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", choices=("tandem", "vllm"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--serving-dtype", default="bfloat16")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads for both sides (0: all cores); 1 on an oversubscribed machine",
+    )
+    ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--no-serving", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.model, args.dtypes, args.num_prompts)
+        return
+    if args.threads:
+        os.environ["TANDEM_BENCH_THREADS"] = str(args.threads)
+        global THREADS
+        THREADS = args.threads
+    sys.path.insert(0, str(HERE))
+    import vllm_peer
+
+    model = args.model or str(vllm_peer.smollm2_dir())
+    print(machine())
+    print(f"model: {model}; threads per side: {THREADS or 'all cores'}")
+    try:
+        peer: Path | None = vllm_peer.build_peer()
+    except vllm_peer.PeerUnavailable as exc:
+        peer = None
+        print(f"vLLM peer skipped: {exc}; Tandem runs alone")
+    ratios = []
+    if not args.no_offline:
+        ratios += offline(
+            str(peer) if peer else None,
+            model,
+            args.dtypes.split(","),
+            args.repeats,
+            args.num_prompts,
+        )
+    if not args.no_serving and peer is not None:
+        conc = [int(c) for c in args.concurrency.split(",")]
+        ratios += serving(peer, model, args.serving_dtype, conc)
+    print("summary (tandem/vllm throughput, >= 1.00x means Tandem is faster):")
+    for label, ratio in ratios:
+        print(f"  {label:42s} {ratio:5.2f}x")
+    print(f"load average at end: {load()}")
+
+
+if __name__ == "__main__":
+    main()

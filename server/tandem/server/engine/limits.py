@@ -1,0 +1,48 @@
+"""What a request may ask for: a prompt inside the vocabulary, room in the context for it and
+its max_tokens, no more choices than sequences can run at once."""
+
+from __future__ import annotations
+
+from .sampling_params import InvalidParamError, SamplingParams
+
+
+class PromptTooLongError(InvalidParamError):
+    """The prompt (plus max_tokens) does not fit the model's context: the API's 413/400."""
+
+
+def check_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    """Refuse what cannot run (a 400/413 naming the field); returns the request's max_tokens."""
+    if not prompt_ids:
+        raise InvalidParamError("prompt", "the prompt is empty")
+    vocab = vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidParamError(
+            "prompt", f"token id {bad[0]} is outside the vocabulary (size {vocab})"
+        )
+    if params.n > max_num_seqs:
+        raise InvalidParamError("n", f"n={params.n} exceeds max_num_seqs={max_num_seqs}")
+    limit = max_model_len
+    if len(prompt_ids) >= limit:
+        raise PromptTooLongError(
+            "prompt",
+            f"This model's maximum context length is {limit} tokens; the prompt "
+            f"has {len(prompt_ids)} tokens, leaving no room to generate.",
+        )
+    if params.max_tokens is None:
+        return limit - len(prompt_ids)
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise PromptTooLongError(
+            "max_tokens",
+            f"This model's maximum context length is {limit} tokens. "
+            f"However, you requested {len(prompt_ids) + params.max_tokens} tokens "
+            f"({len(prompt_ids)} in the prompt, {params.max_tokens} in the completion).",
+        )
+    return params.max_tokens

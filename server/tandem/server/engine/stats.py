@@ -1,0 +1,70 @@
+"""The engine's counters at one moment: read by the server's /health and /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_cache_manager import KVCacheManager
+    from .kv_handoff import KVHandoff
+    from .scheduler import Scheduler
+
+
+@dataclass
+class Totals:
+    """Counts since start, bumped by the engine as it runs."""
+
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    total_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    block_size: int = 0
+    prefix_hit_rate: float = 0.0
+    num_sessions: int = 0
+    is_sleeping: bool = False
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_leases: int = 0
+    num_pulling: int = 0
+
+    @property
+    def kv_utilization(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @classmethod
+    def of(
+        cls,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        num_sessions: int,
+        handoff: KVHandoff,
+        is_sleeping: bool,
+        totals: Totals,
+    ) -> EngineStats:
+        pool, cache = kv.pool, kv.prefix_cache
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            total_blocks=pool.num_usable,
+            free_blocks=pool.num_free,
+            cached_blocks=pool.num_cached,
+            block_size=kv.block_size,
+            prefix_hit_rate=cache.hit_rate if cache is not None else 0.0,
+            num_sessions=num_sessions,
+            is_sleeping=is_sleeping,
+            num_preemptions=totals.preemptions,
+            num_prompt_tokens=totals.prompt_tokens,
+            num_generated_tokens=totals.generated_tokens,
+            num_leases=len(handoff.leases),
+            num_pulling=len(handoff.pulling),
+        )

@@ -15,11 +15,13 @@ from tandem.server.engine import LLMEngine
 
 from . import distserve_routes, native_routes, ollama, openai_routes, ops_routes, token_routes
 from .auth import AuthMiddleware
+from .body import JSONBodyGuard
 from .chat_history import ChatHistories
 from .edge import install_edge
 from .engine_loop import AsyncEngine
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .protocol import ERROR_RESPONSES
 from .state import ServerSettings, ServerState
 
 log = logging.getLogger("tandem.api")
@@ -94,6 +96,7 @@ def build_app(
         title="Tandem engine",
         version="0.1.0",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
         description="OpenAI-compatible API with LMDeploy's and Ollama's native routes. Unknown request "
         "fields are accepted and ignored; known fields are type-checked strictly (400).",
     )
@@ -105,6 +108,7 @@ def build_app(
     app.include_router(token_routes.router, tags=["tokens"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
+    app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)
     install_edge(app, settings.edge)  # outermost: a 401 carries the request id too

@@ -18,8 +18,8 @@ what a client may do and nothing more. Otherwise every route but the probes (``/
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
-import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ from typing import Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import APIError, send_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Engine routes that administer the server or the P/D plane, never a client's business.
@@ -86,6 +86,12 @@ class Credentials:
         for key in self.client_keys:
             matched |= hmac.compare_digest(token, key)
         return "client" if matched else None
+
+
+def key_owner(authorization: bytes) -> str:
+    """A client key's stable, non-secret name: what its sessions are scoped to."""
+    token = authorization.decode("latin-1").strip().partition(" ")[2].strip()
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def read_keys(path: str | os.PathLike[str]) -> list[str]:
@@ -215,7 +221,10 @@ class AuthMiddleware:
             return
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         who = self.credentials.principal(given)
-        scope.setdefault("state", {})["principal"] = who
+        state = scope.setdefault("state", {})
+        state["principal"] = who
+        if who == "client":
+            state["owner"] = key_owner(given)
         path = scope["path"]
         if who == "open" or path in OPEN_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
@@ -242,12 +251,4 @@ class AuthMiddleware:
 
 
 async def _deny(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, APIError(status, message, code=code))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from .errors import APIError
 from .protocol import ERROR_RESPONSES, APIModel
@@ -16,7 +16,7 @@ router = APIRouter(prefix="/distserve")
 
 
 class EndpointInfo(APIModel):
-    zmq_address: str
+    zmq_address: str = Field(pattern=r"^tcp://[^\s/:]+:\d{1,5}$", max_length=256)
 
 
 class P2PConnectRequest(APIModel):
@@ -42,6 +42,12 @@ class DropConnectRequest(APIModel):
 
 
 class FreeCacheRequest(APIModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [{"required": ["remote_lease_id"]}, {"required": ["remote_session_id"]}]
+        }
+    )
+
     remote_engine_id: str | None = None
     remote_lease_id: str | None = None
     remote_session_id: int | str | None = Field(

@@ -12,14 +12,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
 
-import anyio.to_thread
-import pydantic_core
-from fastapi import FastAPI, Request, Response
-from fastapi.routing import APIRoute
+from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,43 +38,6 @@ class EdgeSettings:
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
-
-
-# Bodies up to this size are parsed on the event loop (a thread hop costs more than parsing).
-_INLINE_JSON_BYTES = 64 * 1024
-
-
-async def loads(raw: bytes) -> Any:
-    """``json.loads``, but a large body is parsed on a worker thread by pydantic-core, which
-    releases the GIL (``json.loads`` holds it for ~0.1 s on 20 MB: a thread would not help),
-    so ``/health`` and every stream on this event loop keep going. Invalid JSON is parsed
-    again by ``json.loads`` for its usual error."""
-    if len(raw) <= _INLINE_JSON_BYTES:
-        return json.loads(raw)
-    try:
-        return await anyio.to_thread.run_sync(pydantic_core.from_json, raw)
-    except ValueError:
-        return json.loads(raw)
-
-
-class _OffLoopJSONRequest(Request):
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            self._json = await loads(await self.body())
-        return self._json
-
-
-class OffLoopJSONRoute(APIRoute):
-    """The route class of every router that takes a JSON body: FastAPI parses it through
-    ``Request.json``, which this makes ``loads``."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
-
-        return route
 
 
 def add_edge_arguments(parser: argparse.ArgumentParser) -> None:

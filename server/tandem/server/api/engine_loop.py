@@ -222,15 +222,15 @@ class AsyncEngine:
         self._commands.put(_Call(fn, fut))
         return await asyncio.wrap_future(fut)
 
-    async def abort_matching(self, session_id: str | None = None) -> int:
-        """Abort every request in flight (or those of one session); their streams end with
-        ``finish_reason: abort``. Returns how many were aborted."""
+    async def abort_matching(self, session: Callable[[str], bool] | None = None) -> int:
+        """Abort every request in flight (or those whose session id ``session`` matches);
+        their streams end with ``finish_reason: abort``. Returns how many were aborted."""
 
         def fn(engine: LLMEngine) -> int:
             ids = [
                 rid
                 for rid, t in self._tracked.items()
-                if session_id is None or t.session_id == session_id
+                if session is None or (t.session_id is not None and session(t.session_id))
             ]
             batch = []
             for rid in ids:

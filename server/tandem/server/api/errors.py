@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 log = logging.getLogger("tandem.api")
 
@@ -24,6 +25,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -74,8 +76,9 @@ def _count(request: Request, status: int) -> None:
         state.metrics.on_error(status)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if err.status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(
         error_body(err.status, err.message, code=err.code, param=err.param, type=err.type),
         status_code=err.status,
@@ -83,13 +86,37 @@ def error_response(err: APIError) -> JSONResponse:
     )
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A one-line message and the offending field (dotted, without the leading ``body``)."""
+async def send_error(send: Send, err: APIError) -> None:
+    """The same response as ``error_response``, from pure ASGI middleware."""
+    response = error_response(err)
+    await send(
+        {"type": "http.response.start", "status": err.status, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+    """The request field a pydantic error location names, without ``body`` and without the
+    union-branch tags pydantic adds (``constrained-str``, ``list[str]``, ``function-after``)."""
+    return [
+        str(p)
+        for p in loc
+        if p != "body"
+        and (isinstance(p, int) or (p.isidentifier() and p.lower() not in _UNION_TAGS))
+    ]
+
+
+def validation_message(exc: Any) -> tuple[str, str | None]:
+    """A one-line message and the offending field (dotted). Of a union's errors, the one that
+    says what is wrong with the value (too long, not finite) wins over "not a string"."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
+    loc = _field_path(tuple(first.get("loc", ())))
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
@@ -105,7 +132,27 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return msg, param
 
 
+def without_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every route with a body; ours answer 400 instead (above)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    without_422(app)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count(request, exc.status)
@@ -123,7 +170,9 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             exc.status_code
         )
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), code=code), headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

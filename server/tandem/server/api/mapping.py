@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fastapi import Request
+
 from tandem.server.engine import CompletionOutput, InvalidParamError, RequestOutput, SamplingParams
 
 from .errors import APIError
@@ -30,11 +32,31 @@ _FORBIDDEN_TEMPLATE_KWARGS = {
 }
 
 
-def session_key(value: str | int | None) -> str | None:
-    """The engine's session id: ``None``, ``""`` and ``-1`` (LMDeploy's "no session") are stateless."""
+_OWNER_LEN = 16  # auth.key_owner's hex digest length
+
+
+def session_key(value: str | int | None, owner: str | None = None) -> str | None:
+    """The engine's session id: ``None``, ``""`` and ``-1`` (LMDeploy's "no session") are stateless.
+
+    A session belongs to the client key that created it (``owner``, set by the auth
+    middleware): another key naming the same id reaches a different session. The proxy
+    scopes ids the same way before it forwards them with the internal credential."""
     if value is None or value == "" or value == -1:
         return None
-    return str(value)
+    return f"{owner}:{value}" if owner else str(value)
+
+
+def same_session(key: str, wanted: str, owner: str | None) -> bool:
+    """Whether engine session ``key`` is ``wanted`` as this caller names it: a client names
+    its own sessions; the admin and internal callers (no owner) name any client's."""
+    if key == wanted:
+        return True
+    scope, sep, rest = key.partition(":")
+    return owner is None and bool(sep) and len(scope) == _OWNER_LEN and rest == wanted
+
+
+def request_owner(request: Request) -> str | None:
+    return getattr(request.state, "owner", None)
 
 
 def sampling_params(

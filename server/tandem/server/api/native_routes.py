@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.server.engine import SamplingParams
 
 from . import mapping
-from .edge import OffLoopJSONRoute
+from .body import ParsedJSONRoute
 from .errors import APIError, error_body
 from .generation import (
     ClientDisconnected,
@@ -27,6 +27,7 @@ from .generation import (
 )
 from .protocol import (
     ERROR_RESPONSES,
+    SSE_RESPONSES,
     AbortRequest,
     EncodeRequest,
     EncodeResponse,
@@ -34,12 +35,13 @@ from .protocol import (
     GenerateResponse,
     OllamaChatRequest,
     OllamaGenerateRequest,
+    streamed,
 )
 from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
 from .state import get_state
 from .structured import ollama_format_spec
 
-router = APIRouter(route_class=OffLoopJSONRoute)
+router = APIRouter(route_class=ParsedJSONRoute)
 
 
 # ----- LMDeploy /generate -------------------------------------------------------------------
@@ -64,7 +66,7 @@ def _generate_body(rid: str, out: Any, num_tokens: int, want_logprobs: bool) -> 
     }
 
 
-@router.post("/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
+@router.post("/generate", response_model=GenerateResponse, responses=SSE_RESPONSES)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     """A raw prompt (``prompt``) or token ids (``input_ids``); streamed as SSE deltas when ``stream``."""
     state = get_state(request)
@@ -89,7 +91,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         [prompt],
         params,
         stream=bool(body.stream),
-        session_id=mapping.session_key(body.session_id),
+        session_id=mapping.session_key(body.session_id, mapping.request_owner(request)),
     )
     want = bool(body.return_logprob)
     if body.stream:
@@ -147,14 +149,17 @@ async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """Abort the requests of one session, or every request in flight with ``abort_all``."""
     state = get_state(request)
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     if not body.abort_all and session is None:
         raise APIError(
             400, "give a session_id or abort_all: true", param="session_id", code="invalid_value"
         )
     if state.engine.state != "ready":
         return {"aborted": 0}
-    n = await state.engine.abort_matching(None if body.abort_all else session)
+    owner = mapping.request_owner(request)
+    n = await state.engine.abort_matching(
+        None if body.abort_all else lambda key: mapping.same_session(key, session, owner)
+    )
     return {"aborted": n}
 
 
@@ -234,7 +239,10 @@ def _message_text(text: str) -> dict[str, Any]:
     return {"message": {"role": "assistant", "content": text}}
 
 
-@router.post("/api/generate", responses=ERROR_RESPONSES)
+@router.post(
+    "/api/generate",
+    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+)
 async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     """Ollama-style generation: an NDJSON stream of ``{model, created_at, response, done}``."""
     state = get_state(request)
@@ -260,7 +268,10 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     )
 
 
-@router.post("/api/chat", responses=ERROR_RESPONSES)
+@router.post(
+    "/api/chat",
+    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+)
 async def ollama_chat(body: OllamaChatRequest, request: Request) -> Any:
     """Ollama's chat: ``messages`` over the chat template; NDJSON ``{message, done}`` lines."""
     state = get_state(request)

@@ -8,14 +8,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from .edge import OffLoopJSONRoute
+from .body import ParsedJSONRoute
 from .protocol import ERROR_RESPONSES, OllamaShowRequest
 from .state import get_state
 
 # The Ollama API version these routes follow (the client only checks that one is reported).
 OLLAMA_VERSION = "0.6.0"
 
-router = APIRouter(route_class=OffLoopJSONRoute)
+router = APIRouter(route_class=ParsedJSONRoute)
 
 
 def ollama_model(name: str, modified: datetime | None = None) -> dict[str, Any]:

@@ -14,13 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.server.engine.structured import GrammarSpec
 
 from . import mapping, structured
+from .body import ParsedJSONRoute
 from .chat_choice import ChoiceStream, chat_message
-from .edge import OffLoopJSONRoute
 from .errors import APIError, error_body
 from .generation import ClientDisconnected, Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
+    SSE_RESPONSES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -34,7 +35,7 @@ from .tool_parsers import Parser, parser_for_template, tool_plan
 
 log = logging.getLogger("tandem.api")
 
-router = APIRouter(route_class=OffLoopJSONRoute)
+router = APIRouter(route_class=ParsedJSONRoute)
 
 
 def _note_ignored(route: str, body: Any) -> None:
@@ -69,9 +70,7 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return _model_card(state)
 
 
-@router.post(
-    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
-)
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """Chat over the model's template; ``stream: true`` answers with ``chat.completion.chunk`` events."""
     state = get_state(request)
@@ -88,7 +87,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools, reasoning, spec = _chat_plan(state, body)
     if spec is not None:
         params = params.clone(structured=spec)
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     raw_prompt = (
         isinstance(body.messages, str) and body.do_preprocess is False
     )  # no template, no history
@@ -263,7 +262,7 @@ async def _chat_stream(
             job.abort_unfinished()
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Raw-prompt completions (one or more prompts; ``n`` choices each)."""
     state = get_state(request)
@@ -285,7 +284,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     request_id = new_id("cmpl", request)
-    session = mapping.session_key(body.session_id)
+    session = mapping.session_key(body.session_id, mapping.request_owner(request))
     if session is not None and len(prompts) > 1:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
@@ -423,8 +422,9 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Free a session's KV blocks now (idle sessions also expire on their own)."""
     state = get_state(request)
     state.check_admitting()
-    deleted = await state.engine.call(lambda e: e.sessions.delete(session_id))
-    deleted = state.histories.drop(session_id) or deleted
+    key = mapping.session_key(session_id, mapping.request_owner(request)) or session_id
+    deleted = await state.engine.call(lambda e: e.sessions.delete(key))
+    deleted = state.histories.drop(key) or deleted
     if not deleted:
         raise APIError(
             404,

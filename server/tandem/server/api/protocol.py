@@ -10,9 +10,29 @@ are refused with a 400 that says so, never dropped.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Bounds on what one request may carry: generous for any real client, small enough that a
+# hostile body cannot make the server spend unbounded time or memory before it is refused.
+MAX_STOP = 64
+MAX_STOP_LEN = 1024
+MAX_MESSAGES = 4096
+MAX_N = 128
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+MAX_TOKEN_IDS = 1_000_000
+
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
+Temperature = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=100.0)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LEN)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)]
+TokenIds = Annotated[list[int], Field(max_length=MAX_TOKEN_IDS)]
+SessionId = (
+    Annotated[str, Field(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")] | int
+)  # printable: it becomes a URL path segment at the proxy
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class APIModel(BaseModel):
@@ -37,7 +57,7 @@ class ContentPart(APIModel):
 
 
 class ChatMessage(APIModel):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -71,18 +91,18 @@ class Tool(APIModel):
 class SamplingFields(APIModel):
     """Sampling fields every generation route shares (OpenAI's plus vLLM's/LMDeploy's extras)."""
 
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    temperature: Temperature | None = None
+    top_p: Finite | None = None
     top_k: int | None = None
-    min_p: float | None = None
+    min_p: Finite | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
+    presence_penalty: Finite | None = 0.0
+    frequency_penalty: Finite | None = 0.0
+    repetition_penalty: Finite | None = None
+    logit_bias: Annotated[dict[str, Finite], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     min_tokens: int | None = None
@@ -93,9 +113,10 @@ class SamplingFields(APIModel):
     include_stop_str_in_output: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    session_id: str | int | None = Field(
+    session_id: SessionId | None = Field(
         default=None,
-        description="Keep this conversation's KV cache between turns; empty, null or -1 = stateless",
+        description="Keep this conversation's KV cache between turns; empty, null or -1 = "
+        "stateless. Scoped to the API key that created it (docs/security.md)",
     )
     return_token_ids: bool | None = False
     user: str | None = None
@@ -116,7 +137,7 @@ class SamplingFields(APIModel):
 
 # ----- OpenAI chat and completions ----------------------------------------------------------
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] | str = Field(
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | str = Field(
         description="The conversation; a string is taken as one user message (LMDeploy)"
     )
     model: str | None = None
@@ -126,7 +147,7 @@ class ChatCompletionRequest(SamplingFields):
     enable_thinking: bool | None = None
     do_preprocess: bool | None = True
     add_generation_prompt: bool | None = True
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     reasoning_effort: str | None = None
@@ -134,37 +155,46 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_N)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(max_length=MAX_N)]
+    )
     model: str | None = None
     echo: bool | None = False
     suffix: str | None = None
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
 # ----- LMDeploy's native routes -------------------------------------------------------------
 class GenerateRequest(APIModel):
     """LMDeploy's ``POST /generate``: a raw prompt or token ids, no chat template."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]}
+    )
+
     prompt: str | None = None
-    input_ids: list[int] | None = None
-    session_id: int | str | None = -1
+    input_ids: TokenIds | None = None
+    session_id: SessionId | None = -1
     stream: bool | None = False
     max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: Temperature = 1.0
+    top_p: Finite = 1.0
     top_k: int = Field(default=0, description="0 or -1 turns top-k off")
-    min_p: float = 0.0
+    min_p: Finite = 0.0
     min_tokens: int | None = None
     seed: int | None = None
-    repetition_penalty: float | None = 1.0
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    repetition_penalty: Finite | None = 1.0
+    presence_penalty: Finite | None = 0.0
+    frequency_penalty: Finite | None = 0.0
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool | None = False
     return_logprob: bool | None = None
     return_routed_experts: bool | None = False
@@ -179,8 +209,17 @@ class EncodeRequest(APIModel):
 
 
 class AbortRequest(APIModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["session_id"]},
+                {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}},
+            ]
+        }
+    )
+
     abort_all: bool = False
-    session_id: int | str | None = -1
+    session_id: SessionId | None = -1
     abort_message: str | None = None
     finished_reason: dict[str, Any] | None = None
 
@@ -193,7 +232,7 @@ class OllamaGenerateRequest(APIModel):
     system: str | None = None
     raw: bool = False
     options: dict[str, Any] | None = None
-    context: list[int] | None = None
+    context: TokenIds | None = None
     images: list[str] | None = None
     format: str | dict[str, Any] | None = None
 
@@ -344,5 +383,18 @@ class ErrorResponse(StrictOut):
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 429, 500, 503)
 }
+
+
+def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
+    """A generation route's 200: JSON, or with ``stream: true`` a stream of ``media_type``."""
+    return {
+        200: {
+            "description": f"The answer; with ``stream: true``, {what}",
+            "content": {media_type: {"schema": {"type": "string"}}},
+        }
+    }
+
+
+SSE_RESPONSES = ERROR_RESPONSES | streamed("text/event-stream", "server-sent events")

@@ -6,13 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from .edge import OffLoopJSONRoute
+from .body import ParsedJSONRoute
 from .errors import APIError
 from .generation import off_loop, tokenize_text
 from .protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 from .state import ServerState, get_state
 
-router = APIRouter(route_class=OffLoopJSONRoute)
+router = APIRouter(route_class=ParsedJSONRoute)
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:

@@ -40,6 +40,9 @@ class EngineConfig:
     # and what a decode engine does when a pull fails (end the request, or prefill itself).
     kv_lease_seconds: float = 30.0
     kv_pull_fallback: Literal["error", "recompute"] = "error"
+    # Sessions are a cache: idle sessions together hold at most this fraction of the pool, and
+    # give their blocks back (least recently used first) whenever a request needs them.
+    session_kv_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _check(
@@ -59,6 +62,10 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(self.kv_lease_seconds > 0, "kv_lease_seconds must be positive")
+        _check(
+            0.0 <= self.session_kv_fraction <= 1.0,
+            f"session_kv_fraction must be in [0, 1], got {self.session_kv_fraction}",
+        )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"unknown dtype {self.dtype!r}",

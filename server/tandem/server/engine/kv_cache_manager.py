@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
@@ -19,6 +20,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, PrefixCache() if enable_prefix_caching else None)
+        # Called with the number of free blocks wanted when the pool is short: the engine's
+        # sessions give back what they hold, so no request waits on a cache.
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -58,7 +62,10 @@ class KVCacheManager:
         have = len(cached) if prefix else len(req.block_ids)
         new_blocks = self.blocks_for(start + num_new_tokens) - have
         leaving_free_queue = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        if max(new_blocks, 0) + leaving_free_queue > self.pool.num_free:
+        wanted = max(new_blocks, 0) + leaving_free_queue
+        if wanted > self.pool.num_free and self.reclaim is not None:
+            self.reclaim(wanted)
+        if wanted > self.pool.num_free:
             return False
         if prefix is not None:
             self.pool.share(cached)

@@ -61,7 +61,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sessions = SessionStore(self.kv)
+        self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
+        self.kv.reclaim = self.sessions.reclaim
         layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
         self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
         self.grammars = GrammarCache(

@@ -3,11 +3,18 @@
 When a turn finishes, its blocks move into the session instead of back to the pool. The
 next turn takes them over as far as its prompt agrees with the tokens they hold, so only
 the new tokens are prefilled. A block is rewritten only when nobody else holds it.
+
+Sessions are a cache, not a reservation: idle sessions together hold at most ``max_blocks``,
+and ``reclaim`` takes blocks back from the least recently used idle sessions whenever a
+request finds the pool short. A session that lost its blocks stays a session; its next
+turn recomputes (or finds its blocks still in the prefix cache).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
@@ -26,9 +33,11 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, max_blocks: int) -> None:
         self.kv = kv
-        self._sessions: dict[str, Session] = {}
+        self.max_blocks = max_blocks
+        self.held_blocks = 0  # blocks idle sessions hold
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -39,8 +48,10 @@ class SessionStore:
     def attach(self, session_id: str, req: Request) -> None:
         """Give ``req`` the session's blocks for the prefix it shares; free the rest."""
         s = self._sessions.setdefault(session_id, Session(session_id))
+        self._sessions.move_to_end(session_id)
         s.busy = True
         s.last_used = time.monotonic()
+        self.held_blocks -= len(s.block_ids)
         bs = self.kv.block_size
         common = _common_prefix(s.token_ids, req.prompt_token_ids, limit=req.num_prompt_tokens - 1)
         keep = -(-common // bs)
@@ -72,6 +83,26 @@ class SessionStore:
             return
         s.busy = False
         s.last_used = time.monotonic()
+        self._sessions.move_to_end(session_id)
+        self.held_blocks += len(s.block_ids)
+        if self.held_blocks > self.max_blocks:
+            self._evict(lambda: self.held_blocks <= self.max_blocks)
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give blocks back until the pool has ``num_blocks`` free (or no idle session has any)."""
+        self._evict(lambda: self.kv.pool.num_free >= num_blocks)
+
+    def _evict(self, enough: Callable[[], bool]) -> None:
+        for s in list(self._sessions.values()):
+            if enough():
+                return
+            if not s.busy and s.block_ids:
+                self._drop_blocks(s)
+
+    def _drop_blocks(self, s: Session) -> None:
+        self.held_blocks -= len(s.block_ids)
+        self.kv.pool.free(s.block_ids)
+        s.token_ids, s.block_ids = [], []
 
     def check_can_attach(self, session_id: str, n: int) -> None:
         """A session runs one sequence at a time: ``n > 1`` or a second request is a 400."""
@@ -87,11 +118,12 @@ class SessionStore:
         return s is not None and s.busy
 
     def delete(self, session_id: str) -> bool:
-        s = self._sessions.pop(session_id, None)
+        s = self._sessions.get(session_id)
         if s is None:
             return False
         if s.block_ids:
-            self.kv.pool.free(s.block_ids)
+            self._drop_blocks(s)
+        del self._sessions[session_id]
         return True
 
     def expire(self, idle_seconds: float) -> int:

@@ -12,10 +12,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -28,14 +30,23 @@ from tandem.server.api.auth import (
     AuthMiddleware,
     Credentials,
 )
+from tandem.server.api.body import JSONBodyGuard, ParsedJSONRoute, parsed_body
 from tandem.server.api.edge import (
     DEFAULT_MAX_TOKENS,
     EdgeSettings,
     install_edge,
-    loads,
     request_id_header,
 )
+from tandem.server.api.errors import validation_message, without_422
+from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
+from tandem.server.api.protocol import (
+    ERROR_RESPONSES,
+    SSE_RESPONSES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionId,
+)
 
 from .pd_flow import PATHS, FlowConfig, PDFlow, ProxyError, error_body
 from .registry import (
@@ -85,6 +96,9 @@ class ProxyState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+_GENERATION_RESPONSES = SSE_RESPONSES | {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
+
+
 def get_state(request: Request) -> ProxyState:
     return request.app.state.proxy
 
@@ -129,13 +143,16 @@ def build_app(settings: ProxySettings) -> FastAPI:
         title="Tandem proxy",
         version="0.1.0",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
         description="One OpenAI endpoint over prefill, decode and aggregated Tandem engines.",
     )
+    app.router.route_class = ParsedJSONRoute
     app.state.proxy = state
     _install_error_handlers(app)
     _add_openai_routes(app)
     _add_node_routes(app)
     _add_ops_routes(app)
+    app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     credentials = _credentials(settings)
     if not credentials.open:
         app.add_middleware(
@@ -157,9 +174,19 @@ def _credentials(settings: ProxySettings) -> Credentials:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    without_422(app)
+
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return JSONResponse(
+            error_body(message, type="invalid_request_error", code="invalid_value", param=param),
+            status_code=400,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -168,7 +195,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code
+            error_body(str(exc.detail), type=kind, code=code),
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(Exception)
@@ -184,17 +213,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = await loads(raw) if raw else None
-    except ValueError as exc:
-        raise ProxyError(
-            400,
-            f"the request body is not valid JSON: {exc}",
-            type="invalid_request_error",
-            code="invalid_json",
-        ) from exc
+def _json_body(request: Request) -> dict[str, Any]:
+    """The body ``JSONBodyGuard`` parsed (a copy: routes add fields), if it is an object."""
+    body = parsed_body(request)
     if not isinstance(body, dict):
         raise ProxyError(
             400,
@@ -202,11 +223,16 @@ async def _json_body(request: Request) -> dict[str, Any]:
             type="invalid_request_error",
             code="invalid_value",
         )
-    return body
+    return dict(body)
 
 
-def _client_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A client's generation request: the P/D handoff field is the proxy's own, never theirs."""
+def _client_body(body: dict[str, Any], request: Request) -> dict[str, Any]:
+    """A client's generation request, already validated against the engine's own model (the
+    route's declared body): the P/D handoff field is the proxy's own, never theirs, and a
+    session id is scoped to the client's key before it reaches an engine."""
+    owner = request_owner(request)
+    if owner and body.get("session_id") is not None:
+        body = {**body, "session_id": session_key(body["session_id"], owner)}
     if "kv_transfer_params" in body:
         raise ProxyError(
             403,
@@ -219,25 +245,25 @@ def _client_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_openai_routes(app: FastAPI) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
+    async def chat_completions(_: ChatCompletionRequest, request: Request) -> Response:
         """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
         state = get_state(request)
-        body = _client_body(await _json_body(request))
+        body = _client_body(_json_body(request), request)
         if state.settings.default_max_tokens and not (
             body.get("max_tokens") or body.get("max_completion_tokens")
         ):
             body["max_tokens"] = state.settings.default_max_tokens
         return await state.flow.handle("chat", body, request)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = _client_body(await _json_body(request))
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
+    async def completions(_: CompletionRequest, request: Request) -> Response:
+        body = _client_body(_json_body(request), request)
         return await get_state(request).flow.handle("completions", body, request)
 
     def routed(path: str, kind: str) -> None:
         async def route(request: Request) -> Response:
-            body = _client_body(await _json_body(request))
+            body = _client_body(_json_body(request), request)
             return await get_state(request).flow.handle(kind, body, request)
 
         route.__doc__ = f"Routed to an engine serving the model (``{path}`` there)."
@@ -252,7 +278,7 @@ def _add_openai_routes(app: FastAPI) -> None:
         """LMDeploy's abort: a session's requests on the engine holding the session (every
         decode engine if the proxy does not know it), or ``abort_all`` on every engine."""
         state = get_state(request)
-        body = _client_body(await _json_body(request))
+        body = _client_body(_json_body(request), request)
         session = body.get("session_id")
         held = state.flow.sessions.get(str(session)) if session not in (None, "", -1) else None
         urls = (
@@ -303,10 +329,13 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def ollama_version() -> dict[str, str]:
         return {"version": OLLAMA_VERSION}
 
-    @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str, request: Request) -> Response:
+    @app.delete("/v1/sessions/{session_id}", responses=ERROR_RESPONSES)
+    async def delete_session(
+        session_id: Annotated[SessionId, Path()], request: Request
+    ) -> Response:
         """Free a session's blocks on the engine holding it (every decode engine if unknown)."""
         state = get_state(request)
+        session_id = session_key(session_id, request_owner(request)) or str(session_id)
         flow = state.flow
         held = flow.sessions.get(session_id)
         urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
@@ -322,7 +351,9 @@ def _add_openai_routes(app: FastAPI) -> None:
         for url in urls:
             try:
                 r = await state.client.delete(
-                    f"{url}/v1/sessions/{session_id}", headers=flow.headers, timeout=10.0
+                    f"{url}/v1/sessions/{quote(session_id, safe='')}",
+                    headers=flow.headers,
+                    timeout=10.0,
                 )
             except httpx.HTTPError:
                 continue
@@ -397,7 +428,7 @@ def _add_node_routes(app: FastAPI) -> None:
     async def add_node(request: Request) -> dict[str, Any]:
         """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
         state = get_state(request)
-        body = await _json_body(request)
+        body = _json_body(request)
         url, role, models = node_fields(body)
         layout = (body.get("status") or {}).get("kv_layout")  # Tandem's addition, optional
         node = state.registry.add(
@@ -414,7 +445,7 @@ def _add_node_routes(app: FastAPI) -> None:
     @app.post("/nodes/remove")
     async def remove_node(request: Request) -> dict[str, Any]:
         state = get_state(request)
-        url, _, _ = node_fields({"status": {}, **(await _json_body(request))})
+        url, _, _ = node_fields({"status": {}, **(_json_body(request))})
         node = state.registry.remove(url)
         return {"url": url, "removed": node is not None}
 
@@ -446,7 +477,7 @@ def _add_node_routes(app: FastAPI) -> None:
     async def terminate_node(request: Request) -> dict[str, Any]:
         """Stop one engine (its ``/terminate``: drain, then exit) and drop it."""
         state = get_state(request)
-        url, _, _ = node_fields({"status": {}, **(await _json_body(request))})
+        url, _, _ = node_fields({"status": {}, **(_json_body(request))})
         return await terminate(state, url)
 
     @app.api_route("/nodes/terminate_all", methods=["GET", "POST"])

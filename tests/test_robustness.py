@@ -1,0 +1,223 @@
+"""Issue 16: no 5xx for any input, sessions scoped to their key and bounded as a cache.
+
+The bad inputs the issue lists, sent raw (so ``NaN`` and lone surrogates reach the server
+as a client could send them) to an engine and to a proxy in front of it, all real processes
+on loopback; and the session store on a small pool, on the engine itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem.server.engine import LLMEngine, SamplingParams
+from tandem.server.engine.config import EngineConfig
+
+from .api_helpers import ENGINE_FLAGS, ServerProcess
+from .test_engine_api import drain
+from .test_proxy_helpers import ProxyProcess, stop_all
+
+pytestmark = pytest.mark.timeout(300)
+
+INTERNAL, ADMIN = "sk-internal-robust", "sk-admin-robust"
+KEY_A, KEY_B = "sk-client-a", "sk-client-b"
+
+
+# ----- sessions are a cache on a small pool ----------------------------------------------------
+def _small_engine(llama_dir: Path, fraction: float) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(llama_dir),
+            kv_cache_tokens=32 * 16,  # 32 blocks of 16
+            max_model_len=256,
+            max_num_seqs=8,
+            session_kv_fraction=fraction,
+        )
+    )
+
+
+def _fill_sessions(engine: LLMEngine, count: int) -> SamplingParams:
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(count):  # 60 + 4 tokens: 4 blocks each
+        engine.add_request(f"s{i}", [7 + i] + list(range(100, 159)), params, session_id=f"c{i}")
+        drain(engine)
+    return params
+
+
+def test_idle_sessions_hold_at_most_their_share_of_the_pool(llama_dir: Path) -> None:
+    engine = _small_engine(llama_dir, 0.5)
+    params = _fill_sessions(engine, 8)  # 32 blocks wanted, 16 allowed
+    store = engine.sessions
+    assert store.max_blocks == 16
+    assert store.held_blocks <= 16
+    assert len(engine.sessions) == 8  # the sessions stay; only their blocks went
+    held = sum(len(s.block_ids) for s in store._sessions.values())
+    assert held == store.held_blocks
+    # the oldest session lost its blocks: its next turn recomputes and answers as stateless
+    prompt = [7] + list(range(100, 159)) + list(range(200, 210))
+    engine.add_request("again", prompt, params, session_id="c0")
+    out = drain(engine)["again"]
+    engine.kv.pool.reset_prefix_cache()
+    engine.add_request("ref", prompt, params)
+    assert drain(engine)["ref"].token_ids == out.token_ids
+    assert engine.sessions.expire(0.0) == 8
+    engine.kv.pool.check_all_free()
+
+
+def test_a_request_never_waits_on_session_blocks(llama_dir: Path) -> None:
+    engine = _small_engine(llama_dir, 1.0)  # sessions may take the whole pool
+    params = _fill_sessions(engine, 7)  # 28 of 32 blocks held by idle sessions
+    assert engine.kv.pool.num_free <= 4
+    big = list(range(300, 500))  # 200 + 8 tokens: 13 blocks
+    engine.add_request("big", big, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["big"]  # admitted at once
+    assert drain(engine)["big"].token_ids
+    assert engine.sessions.held_blocks <= 32 - 13
+    del params
+    engine.sessions.expire(0.0)
+    engine.kv.pool.check_all_free()
+
+
+# ----- bad inputs at the engine and the proxy --------------------------------------------------
+@pytest.fixture(scope="module")
+def plane(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One aggregated engine with two client keys, and a proxy in front of it."""
+    logs = tmp_path_factory.mktemp("robust")
+    keys = logs / "keys"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    internal = {"TANDEM_INTERNAL_API_KEY": INTERNAL}
+    engine = ServerProcess(
+        str(llama_dir),
+        *ENGINE_FLAGS,
+        "--api-key-file",
+        str(keys),
+        api_key=KEY_A,
+        admin_key=ADMIN,
+        env=internal,
+        log_path=logs / "engine.log",
+    )
+    proxy = ProxyProcess(
+        "--node",
+        engine.url,
+        "--api-key-file",
+        str(keys),
+        api_key=KEY_A,
+        admin_key=ADMIN,
+        env=internal,
+        log_path=logs / "proxy.log",
+    )
+    try:
+        engine.wait_ready()
+        proxy.wait_healthy([engine.url])
+        yield engine, proxy
+    finally:
+        stop_all([proxy, engine])
+
+
+def _raw(url: str, path: str, body: str, key: str = KEY_A, ctype: str = "application/json"):
+    return httpx.post(
+        url + path,
+        content=body.encode("utf-8", "surrogatepass"),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": ctype},
+        timeout=60,
+    )
+
+
+def _is_error(r: httpx.Response, status: int = 400, what: str = "") -> dict:
+    assert r.status_code == status, (what, r.text[:500])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"} and err["message"]
+    return err
+
+
+CHAT = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'
+COMPLETION = '{"model": "tiny", "max_tokens": 2, "prompt": "hi"'
+
+BAD_BODIES = {
+    "nan temperature": COMPLETION + ', "temperature": NaN}',
+    "infinite temperature": COMPLETION + ', "temperature": Infinity}',
+    "1e308 temperature": COMPLETION + ', "temperature": 1e308}',
+    "-infinite top_p": COMPLETION + ', "top_p": -Infinity}',
+    "lone surrogate": '{"model": "tiny", "max_tokens": 2, "prompt": "a\\ud800b"}',
+    "lone low surrogate in a key": COMPLETION + ', "\\udc00": 1}',
+    "10,000 deep": COMPLETION + ', "x": ' + "[" * 10_000 + "]" * 10_000 + "}",
+    "10,000 stop strings": COMPLETION + ', "stop": ' + json.dumps(["s"] * 10_000) + "}",
+    "1 MB stop string": COMPLETION + ', "stop": ' + json.dumps("s" * 1_000_000) + "}",
+    "n of a million": COMPLETION + ', "n": 1000000}',
+    "2,000 logit_bias entries": COMPLETION
+    + ', "logit_bias": '
+    + json.dumps({str(i): 1.0 for i in range(2000)})
+    + "}",
+    "newline session id": COMPLETION + ', "session_id": "a\\nb"}',
+}
+
+BAD_CHATS = {
+    "wizard role": '{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}',
+    "5,000 messages": '{"model": "tiny", "messages": '
+    + json.dumps([{"role": "user", "content": "x"}] * 5000)
+    + "}",
+    "200 tools": CHAT
+    + ', "tools": '
+    + json.dumps([{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)])
+    + "}",
+}
+
+
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_every_bad_input_is_a_400(plane, server: str) -> None:
+    url = plane[0 if server == "engine" else 1].url
+    for what, body in BAD_BODIES.items():
+        err = _is_error(_raw(url, "/v1/completions", body), what=what)
+        assert err["type"] == "invalid_request_error", what
+    for what, body in BAD_CHATS.items():
+        _is_error(_raw(url, "/v1/chat/completions", body), what=what)
+    # the same model at both: the field is named the same way
+    err = _is_error(_raw(url, "/v1/completions", COMPLETION + ', "temperature": 1e308}'))
+    assert err["param"] == "temperature"
+    # LMDeploy's form of messages stays accepted
+    r = _raw(url, "/v1/chat/completions", '{"model": "tiny", "max_tokens": 2, "messages": "hi"}')
+    assert r.status_code == 200, r.text
+    # a body that is not JSON by its media type
+    _is_error(_raw(url, "/v1/completions", COMPLETION + "}", ctype="text/plain"), 415)
+    r = httpx.delete(url + "/v1/sessions/%0A", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert 400 <= r.status_code < 500, r.text
+
+
+def test_p2p_connect_with_an_empty_address_is_a_400(plane) -> None:
+    engine, _ = plane
+    body = json.dumps({"remote_engine_id": "x", "remote_engine_endpoint_info": {"zmq_address": ""}})
+    err = _is_error(_raw(engine.url, "/distserve/p2p_connect", body, key=INTERNAL))
+    assert err["param"].startswith("remote_engine_endpoint_info")
+
+
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_a_session_belongs_to_the_key_that_made_it(plane, server: str) -> None:
+    engine, proxy = plane
+    url = (engine if server == "engine" else proxy).url
+    sid = f"mine-{server}"
+    turn = json.dumps(
+        {
+            "model": "tiny",
+            "max_tokens": 2,
+            "temperature": 0,
+            "session_id": sid,
+            "messages": [{"role": "user", "content": "remember the word avocado"}],
+        }
+    )
+    first = _raw(url, "/v1/chat/completions", turn, key=KEY_A).json()
+    again_a = _raw(url, "/v1/chat/completions", turn, key=KEY_A).json()
+    as_b = _raw(url, "/v1/chat/completions", turn, key=KEY_B).json()
+    # A's second turn carries A's history; B's "same" session starts empty
+    assert again_a["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]
+    assert as_b["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+    gone = httpx.delete(f"{url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY_B}"})
+    assert gone.status_code == 200  # B deletes its own session of that name ...
+    again_b = httpx.delete(f"{url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY_B}"})
+    _is_error(again_b, 404)  # ... and cannot reach A's
+    ok = httpx.delete(f"{url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert ok.status_code == 200, ok.text
+    engine.wait_idle()

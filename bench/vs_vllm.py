@@ -6,7 +6,9 @@ tokens), outputs 16..128 tokens, ``ignore_eos``, greedy; and on the same with a 
 shared prefix. Prefix caching is on for both sides (the cache is reset between runs, so only
 a run's own shared prefix hits). fp32 and bf16. The two sides alternate run by run and each
 keeps its best time: on a shared, noisy machine only the ratio means anything, so the load
-average is printed beside it.
+average is printed beside it, and so is the ratio of CPU seconds (each side's process tree,
+user + system), which a core shared with other work does not distort the way it does wall
+time (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
 
 Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
@@ -63,8 +65,29 @@ def child(side: str, model: str, dtype: str, num: int) -> None:
     for line in sys.stdin:
         prefix = int(line)
         prompts, outputs = workload(prefix, num)
+        cpu = tree_cpu_seconds(os.getpid())
         elapsed = run(prompts, outputs)
-        print(json.dumps({"seconds": elapsed, "tokens": sum(outputs)}), flush=True)
+        cpu = tree_cpu_seconds(os.getpid()) - cpu
+        print(json.dumps({"seconds": elapsed, "cpu": cpu, "tokens": sum(outputs)}), flush=True)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its live descendants (vLLM's engine core
+    runs in a child process): on a machine shared with other work, the time each side
+    actually computed, which the wall clock of an oversubscribed core does not show."""
+    total, todo = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def _tandem_child(model: str, dtype: str, num: int):
@@ -135,13 +158,14 @@ class Child:
                 return
         raise RuntimeError(f"the {side} child exited before it was ready")
 
-    def run(self, shared_prefix: int) -> tuple[float, int]:
+    def run(self, shared_prefix: int) -> tuple[float, float, int]:
+        """Wall seconds, CPU seconds and output tokens of one run of the workload."""
         self.proc.stdin.write(f"{shared_prefix}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("{"):
                 out = json.loads(line)
-                return out["seconds"], out["tokens"]
+                return out["seconds"], out["cpu"], out["tokens"]
         raise RuntimeError(f"the {self.side} child died")
 
     def close(self) -> None:
@@ -155,7 +179,9 @@ def _env(side: str, threads: int | None = None) -> dict[str, str]:
     threads = threads or THREADS
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+        # vLLM pins its OpenMP threads itself: to the CPUs this run may use (taskset), not 0..n-1
+        cpus = sorted(os.sched_getaffinity(0))[:threads]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
     if side == "tandem":
         roots = [str(ROOT / "server"), str(ROOT / "operator"), str(ROOT)]
         env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
@@ -181,23 +207,29 @@ def offline(
             sides["vllm"] = Child(peer, "vllm", model, dtype, num)
         for prefix in (0, 512):
             times: dict[str, list[float]] = {s: [] for s in sides}
+            cpus: dict[str, list[float]] = {s: [] for s in sides}
             tokens = 0
             loads = []
             for r in range(repeats):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
                 for s in order:
-                    t, tokens = sides[s].run(prefix)
+                    t, cpu, tokens = sides[s].run(prefix)
                     times[s].append(t)
+                    cpus[s].append(cpu)
                 loads.append(load())
             label = f"offline {dtype:8s} prefix={prefix:3d}"
             best = {s: min(v) for s, v in times.items()}
             runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in times.items())
-            print(f"{label}: runs (s) {runs}; load {loads}")
+            cpu_runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in cpus.items())
+            print(f"{label}: runs (s) {runs}; CPU (s) {cpu_runs}; load {loads}")
             line = f"{label}: tandem {tokens / best['tandem']:7.1f} tok/s"
             if "vllm" in best:
                 ratio = best["vllm"] / best["tandem"]
+                cpu_ratio = min(cpus["vllm"]) / min(cpus["tandem"])
                 ratios.append((label, ratio))
+                ratios.append((f"{label} (CPU time)", cpu_ratio))
                 line += f"  vllm {tokens / best['vllm']:7.1f} tok/s  ratio {ratio:.2f}x"
+                line += f"  CPU-time ratio {cpu_ratio:.2f}x"
             print(line, flush=True)
         for c in sides.values():
             c.close()

@@ -1,8 +1,10 @@
 """The reference attention backend: plain PyTorch, on CPU or GPU.
 
-Sequences are grouped into decodes (one new token) and prefills, each group padded to its
-longest query and context and run through one ``scaled_dot_product_attention`` call, with
-keys and values gathered from the pages by slot index.
+Decodes (one new token each) are batched: their pages are gathered and attended with two
+``bmm`` calls per group, and the pages every decode of a group shares at the start of its
+block table (a common system prompt, ``n > 1`` siblings) are gathered and attended once for
+all of them. Prefills run one ``scaled_dot_product_attention`` call each, so no prompt pays
+for another's padding.
 """
 
 from __future__ import annotations
@@ -17,14 +19,21 @@ from .base import AttentionBackend, AttentionStep, BatchLayout
 
 
 @dataclass(frozen=True)
-class _Group:
-    token_index: torch.Tensor  # [B, Lq] flat token index per padded query (clamped)
-    query_valid: torch.Tensor  # [B, Lq] bool
-    block_tables: torch.Tensor  # [B, nb] pages per sequence, padded with the null page
-    mask: (
-        torch.Tensor | None
-    )  # [B, 1, Lq, nb * block_size] bool; None: fresh prefills, plain causal
-    padding: torch.Tensor | None = None  # decodes: [1, B, 1, nb * block_size] bool, True = no key
+class _Prefill:
+    start: int  # first flat token of the sequence's new tokens
+    end: int
+    blocks: torch.Tensor  # [nb] its pages
+    kv_len: int
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, causal aligned to the end of the KV;
+    # None: a fresh prompt (nothing computed before), plain causal over the step's own K/V
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    rows: torch.Tensor  # [B] flat token index of each decode
+    shared: torch.Tensor | None  # [c] the pages all B rows start with; None: no common start
+    tables: torch.Tensor  # [B, nb] the pages after the shared ones, padded with the null page
+    padding: torch.Tensor  # [1, B, 1, nb * block_size] bool, True = no key there
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -39,54 +48,57 @@ class TorchAttentionBackend(AttentionBackend):
         for n in layout.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        prefill = [i for i, n in enumerate(layout.query_lens) if n > 1]
-        parts = [*_split_by_length(decode, layout.kv_lens), prefill]
-        groups = [self._group(layout, starts, idx) for idx in parts if idx]
-        return _TorchStep(self.kv_cache, layout.slot_mapping, groups, self.scale)
+        groups = _by_first_page(decode, layout, self.kv_cache.block_size)
+        decodes = [self._decodes(layout, starts, idx) for idx in groups]
+        prefills = [
+            self._prefill(layout, starts[i], i) for i, n in enumerate(layout.query_lens) if n > 1
+        ]
+        return _TorchStep(self.kv_cache, layout.slot_mapping, decodes, prefills, self.scale)
 
-    def _group(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _Group:
+    def _prefill(self, layout: BatchLayout, start: int, i: int) -> _Prefill:
+        q_len, kv_len = layout.query_lens[i], layout.kv_lens[i]
+        device = self.kv_cache.device
+        num_blocks = -(-kv_len // self.kv_cache.block_size)
+        blocks = torch.tensor(layout.block_tables[i][:num_blocks], device=device)
+        mask = None
+        if q_len < kv_len:  # query j sits at absolute position kv_len - q_len + j
+            mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+            mask = mask.to(device)
+        return _Prefill(start, start + q_len, blocks, kv_len, mask)
+
+    def _decodes(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _Decodes:
         device = self.kv_cache.device
         bs = self.kv_cache.block_size
-        q_lens = torch.tensor([layout.query_lens[i] for i in idx])
-        kv_lens = torch.tensor([layout.kv_lens[i] for i in idx])
-        seq_starts = torch.tensor([starts[i] for i in idx])
-        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-        q_pos = torch.arange(max_q)
-        query_valid = q_pos[None, :] < q_lens[:, None]
-        token_index = seq_starts[:, None] + torch.minimum(q_pos[None, :], q_lens[:, None] - 1)
-        num_blocks = -(-max_kv // bs)
-        tables = torch.tensor(
-            [_padded(layout.block_tables[i], num_blocks) for i in idx], dtype=torch.int64
-        )
-        if max_q > 1 and bool((q_lens == kv_lens).all()):
-            # Prompts with no computed prefix: top-left causal alignment is exact, padding included
-            # (a padded query's output is dropped; a real query never sees a padded key).
-            return _Group(token_index.to(device), query_valid.to(device), tables.to(device), None)
+        kv_lens = [layout.kv_lens[i] for i in idx]
+        tables = [layout.block_tables[i] for i in idx]
+        # whole pages every row holds, leaving each row at least its newest token of its own
+        shared = _common_start(tables, (min(kv_lens) - 1) // bs) if len(idx) > 1 else 0
+        rest = [n - shared * bs for n in kv_lens]
+        num_blocks = -(-max(rest) // bs)
+        padded = [_padded(t[shared:], num_blocks) for t in tables]
         kv_pos = torch.arange(num_blocks * bs)
-        # query j of a sequence sits at absolute position kv_len - q_len + j
-        q_abs = (kv_lens - q_lens)[:, None] + q_pos[None, :]
-        causal = kv_pos[None, None, :] <= q_abs[:, :, None]
-        mask = causal & (kv_pos[None, None, :] < kv_lens[:, None, None]) & query_valid[:, :, None]
-        mask |= ~query_valid[:, :, None] & (kv_pos == 0)[None, None, :]  # padded rows: no NaN
-        padding = None
-        if max_q == 1:
-            padding = (kv_pos[None, :] >= kv_lens[:, None]).view(1, len(idx), 1, -1).to(device)
-        return _Group(
-            token_index.to(device),
-            query_valid.to(device),
-            tables.to(device),
-            mask.unsqueeze(1).to(device),
-            padding,
+        padding = kv_pos[None, :] >= torch.tensor(rest)[:, None]
+        return _Decodes(
+            torch.tensor([starts[i] for i in idx], device=device),
+            torch.tensor(tables[0][:shared], device=device) if shared else None,
+            torch.tensor(padded, dtype=torch.int64, device=device),
+            padding.view(1, len(idx), 1, -1).to(device),
         )
 
 
 class _TorchStep(AttentionStep):
     def __init__(
-        self, kv_cache: KVCache, slot_mapping: torch.Tensor, groups: list[_Group], scale: float
+        self,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        decodes: list[_Decodes],
+        prefills: list[_Prefill],
+        scale: float,
     ) -> None:
         self.kv_cache = kv_cache
         self.slot_mapping = slot_mapping
-        self.groups = groups
+        self.decodes = decodes
+        self.prefills = prefills
         self.scale = scale
 
     def forward(
@@ -98,48 +110,55 @@ class _TorchStep(AttentionStep):
         pages = self.kv_cache.data[layer]  # [2, blocks, block_size, H_kv, D]
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        for g in self.groups:
-            if g.padding is not None:
-                out[g.token_index[:, 0]] = _paged_decode(
-                    q[g.token_index[:, 0]], pages, g, self.scale
-                )
-                continue
-            qg = q[g.token_index].transpose(1, 2)  # [B, H, Lq, D]
-            if g.mask is None and kv.dtype == q.dtype:
-                # fresh prompts: their keys are exactly this step's, no need to read the pages
-                kg, vg = k[g.token_index].transpose(1, 2), v[g.token_index].transpose(1, 2)
+        for d in self.decodes:
+            out[d.rows] = _paged_decode(q[d.rows], pages, d, self.scale)
+        for p in self.prefills:
+            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+            if p.mask is None and kv.dtype == q.dtype:
+                kp, vp = k[p.start : p.end], v[p.start : p.end]
             else:
-                kg, vg = _gather_pages(pages, g.block_tables, q.dtype)
-            og = F.scaled_dot_product_attention(
-                qg,
-                kg,
-                vg,
-                attn_mask=g.mask,
-                is_causal=g.mask is None,
+                kp, vp = _gather_pages(pages, p.blocks, p.kv_len, q.dtype)
+            o = F.scaled_dot_product_attention(
+                qp,
+                kp.transpose(0, 1).unsqueeze(0),
+                vp.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
                 scale=self.scale,
                 enable_gqa=gqa,
             )
-            out[g.token_index[g.query_valid]] = og.transpose(1, 2)[g.query_valid]
+            out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
 
 def _gather_pages(
-    pages: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
+    pages: torch.Tensor, blocks: torch.Tensor, kv_len: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each sequence's pages as ``[B, H_kv, Lk, D]`` views (token-major underneath)."""
-    b, nb = tables.shape
+    """One sequence's K and V, each ``[kv_len, H_kv, D]`` (token-major, contiguous)."""
     # index_select on whole pages: several times faster than advanced indexing on CPU
-    gathered = pages.view(2, pages.shape[1], -1).index_select(1, tables.view(-1))
-    gathered = gathered.view(2, b, nb * pages.shape[2], *pages.shape[3:])
-    kg, vg = gathered.to(dtype).transpose(2, 3).unbind(0)
-    return kg, vg
+    gathered = pages.view(2, pages.shape[1], -1).index_select(1, blocks)
+    gathered = gathered.view(2, -1, *pages.shape[3:])[:, :kv_len].to(dtype)
+    return gathered[0], gathered[1]
 
 
-def _split_by_length(idx: list[int], kv_lens: list[int]) -> list[list[int]]:
+def _by_first_page(idx: list[int], layout: BatchLayout, block_size: int) -> list[list[int]]:
+    """Decodes grouped so that rows sharing their first page (a prefix-cache hit on the same
+    prompt start) attend to the shared pages together; the rest split by length."""
+    by_page: dict[int, list[int]] = {}
+    for i in idx:
+        if layout.kv_lens[i] > block_size:  # a full first page, with the newest token after it
+            by_page.setdefault(layout.block_tables[i][0], []).append(i)
+    groups = [rows for rows in by_page.values() if len(rows) > 1]
+    grouped = {i for rows in groups for i in rows}
+    return groups + _split_by_length([i for i in idx if i not in grouped], layout)
+
+
+def _split_by_length(idx: list[int], layout: BatchLayout) -> list[list[int]]:
     """Two padded groups instead of one when contexts differ a lot: the short half no longer
     pays for gathering and attending over the longest sequence's pages."""
+    kv_lens = layout.kv_lens
     if len(idx) < 8:
-        return [idx]
+        return [idx] if idx else []
     ordered = sorted(idx, key=lambda i: kv_lens[i])
     half = len(ordered) // 2
     if kv_lens[ordered[-1]] < 2 * kv_lens[ordered[half]]:
@@ -147,32 +166,59 @@ def _split_by_length(idx: list[int], kv_lens: list[int]) -> list[list[int]]:
     return [ordered[:half], ordered[half:]]
 
 
+def _common_start(tables: list[list[int]], limit: int) -> int:
+    """How many leading pages (at most ``limit``) all block tables share."""
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n
+
+
 def _padded(table: list[int], width: int) -> list[int]:
     return table[:width] + [0] * (width - len(table))
 
 
-def _paged_decode(q: torch.Tensor, pages: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+def _paged_decode(q: torch.Tensor, pages: torch.Tensor, d: _Decodes, scale: float) -> torch.Tensor:
     """One query per sequence, q: [B, H, D]; returns [B, H, D].
 
     The pages are gathered head-major (``[2, H_kv, B * nb, block_size, D]``) by one
     ``index_select`` into a contiguous buffer, so each (KV head, sequence) pair's keys are one
-    contiguous ``[Lk, D]`` matrix: both matmuls run as plain ``bmm`` over ``H_kv * B`` batches
-    with no further copy of K or V (the old token-major gather needed a transposed copy of
-    each), and the query heads sharing a KV head form one row block, so K/V are never expanded
-    per query head.
+    contiguous ``[Lk, D]`` matrix: both matmuls run as plain ``bmm`` over ``H_kv * B`` batches,
+    and the query heads sharing a KV head form one row block, so K/V are never expanded per
+    query head. Shared leading pages are gathered once and multiplied by all B rows' queries
+    at once (``[B * G, D]`` per KV head, a real matrix product instead of B thin ones); the
+    softmax runs over the shared and the own scores together, so the result is the same.
     """
-    b, h, d = q.shape
-    _, _, bs, h_kv, _ = pages.shape
-    nb = g.block_tables.shape[1]
-    lk = nb * bs
-    kv = torch.empty(2, h_kv, b * nb, bs, d, dtype=pages.dtype, device=pages.device)
-    torch.index_select(pages.permute(0, 3, 1, 2, 4), 2, g.block_tables.view(-1), out=kv)
-    kv = kv.view(2, h_kv * b, lk, d)
-    if kv.dtype != q.dtype:
-        kv = kv.to(q.dtype)
+    b, h, dim = q.shape
+    h_kv = pages.shape[3]
     group = h // h_kv
-    qh = q.view(b, h_kv, group, d).transpose(0, 1).reshape(h_kv * b, group, d)
-    scores = torch.bmm(qh, kv[0].transpose(1, 2)).mul_(scale)  # [H_kv * B, G, Lk]
-    scores.view(h_kv, b, group, lk).masked_fill_(g.padding, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), kv[1])  # [H_kv * B, G, D]
-    return out.view(h_kv, b, group, d).transpose(0, 1).reshape(b, h, d)
+    by_head = pages.permute(0, 3, 1, 2, 4)  # [2, H_kv, blocks, block_size, D]
+    qh = q.view(b, h_kv, group, dim).transpose(0, 1)  # [H_kv, B, G, D]
+    kv = _gather_by_head(by_head, d.tables.view(-1), q.dtype).view(2, h_kv * b, -1, dim)
+    lk = kv.shape[2]
+    scores = torch.bmm(qh.reshape(h_kv * b, group, dim), kv[0].transpose(1, 2))
+    scores = scores.view(h_kv, b, group, lk).masked_fill_(d.padding, float("-inf"))
+    if d.shared is None:
+        probs = torch.softmax(scores.mul_(scale), dim=-1)
+        out = torch.bmm(probs.view(h_kv * b, group, lk), kv[1])
+        return out.view(h_kv, b, group, dim).transpose(0, 1).reshape(b, h, dim)
+    pre = _gather_by_head(by_head, d.shared, q.dtype)  # [2, H_kv, P, D]
+    lp = pre.shape[2]
+    shared = torch.bmm(qh.reshape(h_kv, b * group, dim), pre[0].transpose(1, 2))
+    scores = torch.cat([shared.view(h_kv, b, group, lp), scores], dim=-1).mul_(scale)
+    probs_pre, probs = torch.softmax(scores, dim=-1).split([lp, lk], dim=-1)
+    out = torch.bmm(probs_pre.reshape(h_kv, b * group, lp), pre[1]).view(h_kv, b, group, dim)
+    out += torch.bmm(probs.reshape(h_kv * b, group, lk), kv[1]).view(h_kv, b, group, dim)
+    return out.transpose(0, 1).reshape(b, h, dim)
+
+
+def _gather_by_head(
+    by_head: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[2, H_kv, n * block_size, D]``: the pages ``blocks``, each head's keys contiguous."""
+    _, h_kv, _, bs, dim = by_head.shape
+    kv = torch.empty(2, h_kv, blocks.numel(), bs, dim, dtype=by_head.dtype, device=by_head.device)
+    torch.index_select(by_head, 2, blocks, out=kv)
+    kv = kv.view(2, h_kv, -1, dim)
+    return kv if kv.dtype == dtype else kv.to(dtype)

@@ -24,7 +24,34 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` that, on CPU, multiplies by a copy of its weight in oneDNN's own layout.
+
+    Given a plain weight, oneDNN reorders it into its blocked layout on every call; for the
+    few rows of a decode step that reorder costs about as much as the product. The copy is
+    made on first use and again whenever the weight is replaced or written in place (its
+    data pointer or version changes). It doubles the memory these weights take on CPU.
+    """
+
+    _packed: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.weight
+        if x.device.type != "cpu" or w.dtype not in _PACKED_DTYPES or x.dtype != w.dtype:
+            return F.linear(x, w, bias)
+        key = (w.data_ptr(), w._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
+
+
+_PACKED_DTYPES = (torch.bfloat16, torch.float16) if torch.backends.mkldnn.is_available() else ()
+
+
+class PackedLinear(Linear):
     """A linear layer whose output rows pack several checkpoint tensors (q|k|v, gate|up).
 
     One matmul instead of several; the loader fills each shard by name. Under tensor
@@ -44,7 +71,7 @@ class PackedLinear(nn.Linear):
             offset += size
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer whose input columns are split across the TP ranks (o_proj, down_proj).
 
     Each rank multiplies its slice of the input by its slice of the weight's columns; the
@@ -63,8 +90,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from ..attention.base import AttentionStep
 from ..parallel import SINGLE, TensorParallel
 from .config import ModelConfig
-from .layers import GatedMLP, PackedLinear, RMSNorm, RowParallelLinear
+from .layers import GatedMLP, Linear, PackedLinear, RMSNorm, RowParallelLinear
 from .rope import RopeTables, RotaryEmbedding
 
 
@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

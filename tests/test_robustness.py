@@ -221,3 +221,34 @@ def test_a_session_belongs_to_the_key_that_made_it(plane, server: str) -> None:
     ok = httpx.delete(f"{url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY_A}"})
     assert ok.status_code == 200, ok.text
     engine.wait_idle()
+
+
+# ----- what the proxy fuzz found ---------------------------------------------------------------
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_a_content_part_with_null_text_is_a_400(plane, server: str) -> None:
+    """The proxy estimated the prompt's length from ``"".join(part["text"])`` and a part with
+    ``"text": null`` (or on Ollama's chat route, unvalidated) was a 500 there."""
+    url = plane[0 if server == "engine" else 1].url
+    for part in ({"type": "text", "text": None}, {"type": "image_url", "text": None}):
+        messages = [{"role": "user", "content": [part]}]
+        body = json.dumps({"model": "tiny", "max_tokens": 1, "messages": messages})
+        _is_error(_raw(url, "/v1/chat/completions", body), what=str(part))
+        r = _raw(url, "/api/chat", json.dumps({"model": "tiny", "messages": messages}))
+        assert 400 <= r.status_code < 500, (part, r.status_code, r.text[:300])
+
+
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_the_openapi_document_names_each_operation_once(plane, server: str) -> None:
+    """Operation ids are unique (``/nodes/terminate_all`` took one id for GET and POST) and
+    ``/metrics`` documents the content type it answers with."""
+    target = plane[0 if server == "engine" else 1]
+    spec = httpx.get(target.url + "/openapi.json", headers=target.admin_headers).json()
+    ops = [(m, p, op["operationId"]) for p, item in spec["paths"].items() for m, op in item.items()]
+    ids = [i for _, _, i in ops]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    r = httpx.get(target.url + "/metrics", headers=target.admin_headers)
+    assert r.headers["content-type"].split(";")[0] == "text/plain"
+    if server == "proxy":
+        assert {"get", "post"} <= set(spec["paths"]["/nodes/terminate_all"])

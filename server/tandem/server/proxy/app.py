@@ -42,6 +42,7 @@ from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 from tandem.server.api.protocol import (
     ERROR_RESPONSES,
+    METRICS_RESPONSES,
     SSE_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -480,7 +481,8 @@ def _add_node_routes(app: FastAPI) -> None:
         url, _, _ = node_fields({"status": {}, **(_json_body(request))})
         return await terminate(state, url)
 
-    @app.api_route("/nodes/terminate_all", methods=["GET", "POST"])
+    @app.get("/nodes/terminate_all")  # LMDeploy's; one route per method: one operation id each
+    @app.post("/nodes/terminate_all")
     async def terminate_all(request: Request) -> dict[str, Any]:
         state = get_state(request)
         results = await asyncio.gather(*(terminate(state, n.url) for n in state.registry.nodes()))
@@ -588,7 +590,7 @@ def _add_ops_routes(app: FastAPI) -> None:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         """Prometheus text: requests by route/mode/status, failures, fallbacks, nodes."""
         reg = CollectorRegistry()

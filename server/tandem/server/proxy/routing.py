@@ -47,7 +47,9 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
             content = m.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
                 content = "".join(
-                    t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str)
+                    t
+                    for p in content
+                    if isinstance(p, dict) and isinstance(t := p.get("text"), str)
                 )
             elif content is not None and not isinstance(content, str):
                 content = json.dumps(content, sort_keys=True)

@@ -250,5 +250,20 @@ def test_the_openapi_document_names_each_operation_once(plane, server: str) -> N
     assert list(metrics) == ["text/plain"]
     r = httpx.get(target.url + "/metrics", headers=target.admin_headers)
     assert r.headers["content-type"].split(";")[0] == "text/plain"
-    if server == "proxy":
+    if server == "proxy":  # one route, two methods, two operations; its 405 allows both
         assert {"get", "post"} <= set(spec["paths"]["/nodes/terminate_all"])
+        r = httpx.put(target.url + "/nodes/terminate_all", headers=target.admin_headers)
+        assert r.status_code == 405
+        assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "POST"}
+
+
+def test_p2p_connect_to_an_address_zmq_cannot_use_is_a_400(plane) -> None:
+    """Found by the fuzz: a port above 65535 (or a host ZMQ cannot parse) was a 502."""
+    engine, _ = plane
+    for address in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://*:5555"):
+        info = {"zmq_address": address}
+        body = json.dumps({"remote_engine_id": "x", "remote_engine_endpoint_info": info})
+        err = _is_error(
+            _raw(engine.url, "/distserve/p2p_connect", body, key=INTERNAL), what=address
+        )
+        assert err["param"].startswith("remote_engine_endpoint_info"), address

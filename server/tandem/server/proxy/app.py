@@ -481,8 +481,7 @@ def _add_node_routes(app: FastAPI) -> None:
         url, _, _ = node_fields({"status": {}, **(_json_body(request))})
         return await terminate(state, url)
 
-    @app.get("/nodes/terminate_all")  # LMDeploy's; one route per method: one operation id each
-    @app.post("/nodes/terminate_all")
+    @app.api_route("/nodes/terminate_all", methods=["GET", "POST"])
     async def terminate_all(request: Request) -> dict[str, Any]:
         state = get_state(request)
         results = await asyncio.gather(*(terminate(state, n.url) for n in state.registry.nodes()))

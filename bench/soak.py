@@ -3,10 +3,10 @@
 Runs ``tandem up`` (default: its own default spec, one prefill and one decode engine behind
 the proxy), keeps ``--concurrency`` clients busy with a steady mix (chat, streamed chat,
 completions, and one turn in four on a new session that is then deleted), every prompt
-different, and samples each process's RSS once a minute. Prints a row per minute (requests,
-p50/p99 latency, RSS of every process) and each process's RSS change over the last two-thirds
-of the run, in MB, per cent and bytes per request: the issue-16 check is that each stays
-within 5% and p99 stays flat.
+different, and samples each process's anonymous resident memory (``RssAnon``) once a
+minute. Prints a row per minute (requests, p50/p99 latency, memory of every process) and
+each process's change over the last two-thirds of the run, in MB, per cent and bytes per
+request: the issue-16 check is that each stays within 5% and p99 stays flat.
 
     python bench/soak.py --minutes 30 --concurrency 4
 """
@@ -39,9 +39,12 @@ class Minute:
 
 
 def rss_bytes(pid: int) -> int:
+    """Anonymous resident memory (``RssAnon``): the process's own heap, not the shared
+    libraries' file pages, which the kernel drops and reloads as other processes need RAM
+    (so total RSS moves with the machine's load, not with the process)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -175,7 +178,7 @@ def row(i: int, m: Minute) -> str:
     rss = "  ".join(f"{k} {v / 2**20:7.1f}" for k, v in m.rss.items())
     return (
         f"min {i + 1:3d}  req {len(lat):5d}  err {m.errors:3d}  p50 {p50:6.3f}s  p99 {p99:6.3f}s"
-        f"  RSS MB: {rss}"
+        f"  RssAnon MB: {rss}"
     )
 
 

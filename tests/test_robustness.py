@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem.server.api.chat_history import ChatHistories
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
 
@@ -80,6 +81,35 @@ def test_a_request_never_waits_on_session_blocks(llama_dir: Path) -> None:
     del params
     engine.sessions.expire(0.0)
     engine.kv.pool.check_all_free()
+
+
+def test_sessions_are_bounded_in_number_too(llama_dir: Path) -> None:
+    """A client opening a new session per request (the soak's growth, issue 16) leaves at
+    most ``max_sessions`` behind, not a TTL's worth: the least recently used idle one goes,
+    blocks and all, and every block is free once they expire."""
+    engine = _small_engine(llama_dir, 1.0)
+    engine.sessions.max_sessions = 3
+    _fill_sessions(engine, 6)  # c0 .. c5, one after another
+    assert list(engine.sessions._sessions) == ["c3", "c4", "c5"]
+    held = sum(len(s.block_ids) for s in engine.sessions._sessions.values())
+    assert held == engine.sessions.held_blocks > 0
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks - 1 - held
+    assert engine.sessions.expire(0.0) == 3
+    engine.kv.pool.check_all_free()
+
+
+def test_chat_histories_are_bounded_in_number() -> None:
+    histories = ChatHistories(ttl_seconds=600.0, capacity=2)
+    turn = [{"role": "user", "content": "hi"}]
+    for sid in ("a", "b", "c"):
+        histories.record(sid, turn, "hello")
+    assert histories.resolve("a", turn) == turn  # forgotten: the turn is the conversation
+    reply = {"role": "assistant", "content": "hello"}
+    assert histories.resolve("c", turn) == [*turn, reply, *turn]  # remembered: appended to
+    histories.record("b", turn, "again")  # b is now the most recent; c the oldest
+    histories.record("d", turn, "hello")
+    assert histories.resolve("c", turn) == turn
+    assert histories.drop("b") and histories.drop("d") and not histories.drop("c")
 
 
 # ----- bad inputs at the engine and the proxy --------------------------------------------------

@@ -98,6 +98,23 @@ def test_sessions_are_bounded_in_number_too(llama_dir: Path) -> None:
     engine.kv.pool.check_all_free()
 
 
+def test_the_prefix_cache_index_is_bounded_by_the_pool(llama_dir: Path) -> None:
+    """What a soak's heap grows by, request after request (tracemalloc, issue 16): one
+    prefix-cache entry per full block computed. It stops at one entry per block of the pool:
+    a block's entry goes when the block is reused."""
+    engine = _small_engine(llama_dir, 0.5)
+    cache = engine.kv.prefix_cache
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sizes = []
+    for i in range(40):  # 40 distinct 64-token prompts: 4 full blocks each, 160 in all
+        engine.add_request(f"p{i}", [3 + i] + list(range(500 + i, 563 + i)), params)
+        drain(engine)
+        sizes.append(len(cache))
+    assert max(sizes) <= engine.kv.pool.num_blocks - 1
+    assert sizes[-1] == sizes[-10] > sizes[0]  # saturated: flat, not growing
+    engine.kv.pool.check_all_free()
+
+
 def test_chat_histories_are_bounded_in_number() -> None:
     histories = ChatHistories(ttl_seconds=600.0, capacity=2)
     turn = [{"role": "user", "content": "hi"}]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ import httpx
 from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.up_helpers import start_up  # noqa: E402
 
 
 @dataclass
@@ -74,26 +76,14 @@ def children_of(pid: int) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def start_up(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tandem.server.cli", "up", "--port", "0"]
-    cmd += ["--model", args.model] if args.model else []
-    cmd += ["--log-dir", str(args.log_dir)] if args.log_dir else []
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    deadline = time.monotonic() + 900
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"OpenAI base URL: (\S+)", line):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, m.group(1)
-    proc.kill()
-    raise SystemExit("tandem up printed no base URL:\n" + "".join(lines))
+def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """``tandem up`` with no client key (the README's way), its output drained after the
+    base URL so a full pipe never stalls it."""
+    extra = ["--port", "0", *(["--model", args.model] if args.model else [])]
+    extra += ["--log-dir", str(args.log_dir)] if args.log_dir else []
+    proc, base, _ = start_up(extra, dict(os.environ), timeout=900)
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, base
 
 
 def one_request(client: OpenAI, base: str, model: str, n: int, max_tokens: int) -> None:
@@ -127,7 +117,7 @@ def one_request(client: OpenAI, base: str, model: str, n: int, max_tokens: int) 
 
 
 def soak(args: argparse.Namespace) -> list[Minute]:
-    proc, base = start_up(args)
+    proc, base = launch(args)
     try:
         client = OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id

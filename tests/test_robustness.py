@@ -7,7 +7,10 @@ on loopback; and the session store on a small pool, on the engine itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,7 @@ import pytest
 from tandem.server.api.chat_history import ChatHistories
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
+from tandem.server.proxy.app import ProxySettings, build_app
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess
 from .test_engine_api import drain
@@ -314,3 +318,23 @@ def test_p2p_connect_to_an_address_zmq_cannot_use_is_a_400(plane) -> None:
             _raw(engine.url, "/distserve/p2p_connect", body, key=INTERNAL), what=address
         )
         assert err["param"].startswith("remote_engine_endpoint_info"), address
+
+
+def test_deleting_a_session_on_an_engine_that_does_not_answer_is_a_503_not_a_404() -> None:
+    """Found by the soak: a DELETE the holding engine answered after the proxy's timeout
+    came back 404 ("does not exist") for a session that existed."""
+    with socket.socket() as silent:  # accepts, then closes without a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        threading.Thread(target=lambda: silent.accept()[0].close(), daemon=True).start()
+        app = build_app(ProxySettings(static_nodes=[(url, "decode")]))
+        app.state.proxy.flow.sessions.set("s1", url)
+
+        async def delete() -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                return await c.delete("/v1/sessions/s1")
+
+        err = _is_error(asyncio.run(delete()), 503)
+        assert err["code"] == "no_engine_available" and url in err["message"]

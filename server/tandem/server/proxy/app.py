@@ -349,6 +349,7 @@ def _add_openai_routes(app: FastAPI) -> None:
             ),
             status_code=404,
         )
+        silent = ""  # an engine that did not answer may hold it: not a 404 then
         for url in urls:
             try:
                 r = await state.client.delete(
@@ -356,11 +357,19 @@ def _add_openai_routes(app: FastAPI) -> None:
                     headers=flow.headers,
                     timeout=10.0,
                 )
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                silent = f"{url}: {type(exc).__name__}"
                 continue
             if r.status_code < 400:
                 flow.sessions.forget(session_id)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if silent:
+            raise ProxyError(
+                503,
+                f"an engine that may hold session {session_id!r} did not answer ({silent})",
+                type="service_unavailable",
+                code="no_engine_available",
+            )
         return last
 
     @app.get("/v1/models")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,8 @@ def schemathesis(
 ) -> Result:
     """One schemathesis run. One worker: with two, hypothesis's per-thread recursion-limit
     changes race CPython 3.11's ``ast.parse`` ("AST constructor recursion depth mismatch")."""
-    report = report_dir / f"{target.replace('/', '-')}-{include and 'ending' or 'main'}.json"
+    part = re.sub(r"\W+", "_", include).strip("_") if include else "main"
+    report = report_dir / f"{target.replace('/', '-')}-{part}.json"
     cmd = [
         *(sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG)),
         *("run", f"{url}/openapi.json"),

@@ -311,3 +311,45 @@ def test_an_aborted_request_returns_its_partial_output_and_true_usage(
     if output_ids is not None:
         assert output_ids == expected
     server.wait_idle()
+
+
+# ----- through the proxy: every engine of the model -----------------------------------------
+def test_the_proxy_updates_every_engine_and_only_for_the_admin(
+    models, reference, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from .test_proxy_helpers import PROXY_ADMIN_KEY, PROXY_KEY, ProxyProcess, stop_all
+
+    logs = tmp_path_factory.mktemp("weights-proxy")
+    engines = [
+        ServerProcess(models["a"], *ENGINE_FLAGS, log_path=logs / f"engine{i}.log")
+        for i in range(2)
+    ]
+    proxy = ProxyProcess(*[a for e in engines for a in ("--node", e.url)], log_path=logs / "p.log")
+    try:
+        for e in engines:
+            e.wait_ready()
+        proxy.wait_healthy([e.url for e in engines])
+
+        def at_proxy(key: str, **body: object) -> httpx.Response:
+            return httpx.post(
+                proxy.url + "/update_weights",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=120,
+            )
+
+        assert at_proxy(PROXY_KEY, model_path=models["b"]).status_code == 403
+        r = at_proxy(PROXY_ADMIN_KEY, model_path=models["wide"], model=MODEL)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "weights_mismatch", r.text
+        assert [e.health()["weights"]["path"] for e in engines] == [models["a"]] * 2
+        r = at_proxy(PROXY_ADMIN_KEY, model_path=models["b"], model=MODEL)
+        assert r.status_code == 200, r.text
+        assert sorted(x["url"] for x in r.json()["results"]) == sorted(e.url for e in engines)
+        assert [e.health()["weights"]["path"] for e in engines] == [models["b"]] * 2
+        for e in engines:
+            assert generate_ids(e) == reference["b"]
+        body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True}
+        via = httpx.post(proxy.url + "/generate", json=body, headers=proxy.headers, timeout=120)
+        assert via.json()["output_ids"] == reference["b"]
+    finally:
+        stop_all([proxy, *engines])

@@ -16,7 +16,15 @@ import httpx
 import openai
 import pytest
 
-from .api_helpers import ADMIN_KEY, API_KEY, ENGINE_FLAGS, ServerProcess, held, wait_until
+from .api_helpers import (
+    ADMIN_KEY,
+    API_KEY,
+    ENGINE_FLAGS,
+    ServerProcess,
+    held,
+    serving,
+    wait_until,
+)
 from .gguf_files import write_gguf
 from .hf_reference import hf_greedy
 
@@ -47,20 +55,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerProcess(
-        models["a"],
-        *ENGINE_FLAGS,
-        api_key=API_KEY,
-        admin_key=ADMIN_KEY,
-        log_path=tmp_path_factory.mktemp("weights-log") / "server.log",
-        env={"TANDEM_CACHE": str(tmp_path_factory.mktemp("weights-cache"))},
-    )
-    try:
-        srv.wait_ready()
+    with serving(
+        ServerProcess(
+            models["a"],
+            *ENGINE_FLAGS,
+            api_key=API_KEY,
+            admin_key=ADMIN_KEY,
+            log_path=tmp_path_factory.mktemp("weights-log") / "server.log",
+            env={"TANDEM_CACHE": str(tmp_path_factory.mktemp("weights-cache"))},
+        )
+    ) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log_tail()
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +193,17 @@ def test_a_client_key_cannot_update_weights(server: ServerProcess, models) -> No
     assert server.health()["weights"] == before
 
 
-def _submit(pool: concurrent.futures.Executor, client: openai.OpenAI, max_tokens: int):
-    return pool.submit(greedy, client, max_tokens)
+def _submit(
+    pool: concurrent.futures.Executor,
+    server: ServerProcess,
+    client: openai.OpenAI,
+    max_tokens: int,
+    in_flight: int = 1,
+) -> concurrent.futures.Future:
+    """A greedy completion in ``pool``, returned once the server counts ``in_flight``."""
+    fut = pool.submit(greedy, client, max_tokens)
+    wait_until(lambda: _in_flight(server) == in_flight, what=f"{in_flight} requests in flight")
+    return fut
 
 
 def _in_flight(server: ServerProcess) -> int:
@@ -203,12 +217,10 @@ def test_drain_lets_requests_in_flight_finish_on_the_old_weights(
     switch_to(server, models["a"])
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         with held(server):
-            old = _submit(pool, client, N)
-            wait_until(lambda: _in_flight(server) == 1, what="the request admitted")
+            old = _submit(pool, server, client, N)
             upd = pool.submit(update, server, model_path=models["b"])  # drain: true
             wait_until(lambda: server.health()["weights"]["updating"], what="the update waiting")
-            new = _submit(pool, client, N)  # arrives during the drain: waits for the new weights
-            wait_until(lambda: _in_flight(server) == 2, what="the second request queued")
+            new = _submit(pool, server, client, N, 2)  # waits for the drain, then runs on B
             assert not upd.done() and not old.done()
         assert upd.result().status_code == 200, upd.result().text
         assert old.result().choices[0].text == decode(models, reference["a"])
@@ -222,8 +234,7 @@ def test_no_drain_aborts_requests_in_flight_with_their_partial_output(
     switch_to(server, models["a"])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         with held(server):
-            old = _submit(pool, client, 64)
-            wait_until(lambda: _in_flight(server) == 1, what="the request admitted")
+            old = _submit(pool, server, client, 64)
             _steps(server, 3)
             r = update(server, model_path=models["b"], drain=False)
             assert r.status_code == 200, r.text
@@ -353,3 +364,65 @@ def test_the_proxy_updates_every_engine_and_only_for_the_admin(
         assert via.json()["output_ids"] == reference["b"]
     finally:
         stop_all([proxy, *engines])
+
+
+# ----- the engine itself --------------------------------------------------------------------
+def _run(engine, rid: str, prompt: list[int], n: int = N, **kw: object) -> list[int]:
+    from tandem.server.engine import SamplingParams
+
+    engine.add_request(
+        rid, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), **kw
+    )
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return done[rid].outputs[0].token_ids
+
+
+def test_the_engine_drops_every_block_the_old_weights_computed(
+    models, reference, prompt_ids
+) -> None:
+    from tandem.server.engine import EngineBusyError, EngineSleepingError, LLMEngine, SamplingParams
+    from tandem.server.engine.config import EngineConfig
+    from tandem.server.engine.models.config import WeightsMismatchError
+
+    engine = LLMEngine(
+        EngineConfig(model=models["a"], device="cpu", kv_cache_tokens=2048, max_model_len=256)
+    )
+    assert _run(engine, "cached", prompt_ids) == reference["a"]
+    _run(engine, "turn", prompt_ids, session_id="s")
+    _run(engine, "prefill", prompt_ids, 1, kv_transfer={"do_remote_decode": True})
+    pool = engine.kv.pool
+    assert pool.num_cached > 0 and len(engine.sessions) == 1 and len(engine.handoff.leases) == 1
+    with pytest.raises(WeightsMismatchError):
+        engine.update_weights(models["wide"])
+    assert _run(engine, "still-a", prompt_ids) == reference["a"]
+    engine.add_request("busy", prompt_ids, SamplingParams(max_tokens=4))
+    with pytest.raises(EngineBusyError):
+        engine.update_weights(models["b"])
+    engine.abort_request("busy")
+    assert engine.update_weights(models["b"], "v2").version == 1
+    assert pool.num_cached == 0 and len(engine.sessions) == 0 and len(engine.handoff.leases) == 0
+    pool.check_all_free()
+    assert _run(engine, "b", prompt_ids) == reference["b"]
+    engine.sleep(2)  # weights dropped: waking reloads the updated ones, not the first
+    with pytest.raises(EngineSleepingError):
+        engine.update_weights(models["a"])
+    engine.wake_up()
+    assert _run(engine, "woken", prompt_ids) == reference["b"]
+    engine.close()
+
+
+def test_every_tensor_parallel_rank_loads_the_new_weights(models, reference, prompt_ids) -> None:
+    from tandem.server.engine import LLM, SamplingParams
+
+    llm = LLM(models["a"], tensor_parallel_size=2, device="cpu", kv_cache_tokens=2048)
+    procs = list(llm.engine.worker._ranks.procs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+        assert llm.generate([prompt_ids], params)[0].token_ids == reference["a"]
+        llm.engine.update_weights(models["b"])
+        assert llm.generate([prompt_ids], params)[0].token_ids == reference["b"]
+    finally:
+        llm.engine.worker.close()
+    assert not any(p.is_alive() for p in procs)

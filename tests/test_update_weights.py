@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from .api_helpers import (
     ADMIN_KEY,
@@ -426,3 +427,22 @@ def test_every_tensor_parallel_rank_loads_the_new_weights(models, reference, pro
     finally:
         llm.engine.worker.close()
     assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_cuda_graphs_run_the_new_weights(models, prompt_ids) -> None:
+    """The swap copies into the parameters in place, so decode steps replayed from graphs
+    captured on A's weights compute with B's: the same tokens as an engine started on B."""
+    from tandem.server.engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=2048)
+    fresh = LLM(models["b"], **kw)
+    expected = fresh.generate([prompt_ids], params)[0].token_ids
+    fresh.engine.close()
+    del fresh
+    llm = LLM(models["a"], **kw)
+    assert llm.generate([prompt_ids], params)[0].token_ids != expected
+    llm.engine.update_weights(models["b"])
+    assert llm.generate([prompt_ids], params)[0].token_ids == expected
+    llm.engine.close()

@@ -12,6 +12,7 @@ running model are refused before anything is drained or aborted.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from .protocol import ERROR_RESPONSES, ErrorResponse, UpdateWeightsRequest, Upda
 from .state import ServerState, get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)
+log = logging.getLogger("tandem.api")
 
 
 def weights_info(state: ServerState) -> dict[str, Any] | None:
@@ -87,4 +89,5 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[s
         raise api_error(exc) from exc
     except Exception as exc:  # noqa: BLE001 - mapped to 400/409 (or the engine's status)
         raise _refusal(exc, path) from exc
+    log.info("weights updated to %s (version %d)", path, identity.version)
     return {"success": True, "message": f"loaded {path}", "weights": identity.as_dict()}

@@ -167,24 +167,24 @@ def run(
         proxy.wait_healthy([engine.url])
         for target in only:
             fuzz(target, examples, seconds)
-        free, total = blocks_free(engine)
+        short = min(seconds, 8)
+        if ending:
+            fuzz("engine/admin", 20, short, include=r"^/(pause|resume)$")
+        free, total = blocks_free(engine)  # resumes the engine first
         results.append(Result("kv blocks", int(free != total), violations=total - free))
         print(f"kv blocks: {free}/{total} free after the run", flush=True)
         if ending:
-            short = min(seconds, 8)
-            fuzz("engine/admin", 20, short, include=r"^/(pause|resume)$")
-            httpx.post(engine.url + "/resume", headers=engine.admin_headers, timeout=30)
-            fuzz("proxy/admin", 20, short, include=r"^/nodes/(remove|terminate)$")
             # the engine ends here: /terminate has no input and answers once, then the engine
             # drains and exits (so it is called, not fuzzed)
             r = httpx.get(engine.url + "/terminate", headers=engine.admin_headers, timeout=30)
             ok = r.status_code == 200 and r.json() == {"status": "terminating"}
             results.append(Result("engine /terminate", int(not ok), test_cases=1))
             engine.proc.wait(timeout=60)
-            fuzz("proxy/admin", 5, short, include=r"^/nodes/terminate_all$")
             code = engine.proc.returncode
             results.append(Result("engine exit", code, errors=[] if code == 0 else [str(code)]))
             print(f"engine exit: {code}", flush=True)
+            # the proxy's node removal and termination, its engine gone (and terminated again)
+            fuzz("proxy/admin", 20, short, include=r"^/nodes/(remove|terminate|terminate_all)$")
     finally:
         stop_all([proxy, engine])
     return results

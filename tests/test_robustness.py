@@ -338,3 +338,12 @@ def test_deleting_a_session_on_an_engine_that_does_not_answer_is_a_503_not_a_404
 
         err = _is_error(asyncio.run(delete()), 503)
         assert err["code"] == "no_engine_available" and url in err["message"]
+
+
+def test_update_weights_for_a_model_nobody_serves_is_a_404(plane) -> None:
+    """Found by the fuzz: the proxy answered 503 ("no healthy engine") for a model name no
+    engine has, as if the service were down."""
+    _, proxy = plane
+    body = json.dumps({"model": "no-such-model", "model_path": "/nowhere"})
+    err = _is_error(_raw(proxy.url, "/update_weights", body, key=ADMIN), 404)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")

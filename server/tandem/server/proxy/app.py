@@ -312,7 +312,16 @@ def _add_openai_routes(app: FastAPI) -> None:
         error), with the list beside it."""
         state = get_state(request)
         body = _json_body(request)
-        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(body.get("model"))]
+        model = body.get("model")
+        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(model)]
+        if not urls and not any(n.serves(model) for n in state.registry.nodes()):
+            raise ProxyError(  # the caller's mistake, not an outage
+                404,
+                f"The model '{model}' does not exist",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
         if not urls:
             raise ProxyError(
                 503,

@@ -57,7 +57,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
     ) -> list[list[float]]:
         """One vector per prompt (``pooling`` defaults to the engine's ``--pooling``, normalised)."""
-        pooling = pooling or PoolingParams(self.engine.config.pooling)
+        pooling = pooling or PoolingParams()
         ids = []
         for prompt in _as_prompt_list(prompts):
             rid = f"offline-{next(self._ids)}"

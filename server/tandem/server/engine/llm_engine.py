@@ -162,11 +162,7 @@ class LLMEngine:
         check_pooled(
             prompt_ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len
         )
-        mc = self.model_config
-        why = check_dimensions(
-            pooling.dimensions, mc.hidden_size, mc.is_matryoshka, mc.matryoshka_dimensions
-        )
-        if why is not None:
+        if (why := check_dimensions(pooling.dimensions, self.model_config)) is not None:
             raise InvalidParamError("dimensions", why)
         req = Request(
             request_id=request_id,
@@ -177,7 +173,7 @@ class LLMEngine:
             arrival_order=next(self._arrival),
             group_id=request_id,
             arrival_time=time.monotonic(),
-            pooling=pooling,
+            pooling=pooling.resolve(self.config.pooling),
         )
         self._groups[request_id] = [req]
         self.scheduler.add(req)

@@ -10,21 +10,29 @@ summed chunk by chunk, so no step holds more than its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import PoolingKind
 
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """How one request's vector is made: the pooling, L2 normalisation, and an optional
-    Matryoshka truncation to ``dimensions`` (before normalising, as such models are trained)."""
+    """How one request's vector is made: the pooling (None: the engine's ``--pooling``), L2
+    normalisation, and an optional Matryoshka truncation to ``dimensions`` (before
+    normalising, as such models are trained)."""
 
-    kind: PoolingKind = "last"
+    kind: PoolingKind | None = None
     normalize: bool = True
     dimensions: int | None = None
+
+    def resolve(self, default: PoolingKind) -> PoolingParams:
+        return self if self.kind is not None else replace(self, kind=default)
 
     @property
     def reads_every_row(self) -> bool:
@@ -68,17 +76,16 @@ def finish(params: PoolingParams, state: torch.Tensor, num_tokens: int) -> torch
     return vec
 
 
-def check_dimensions(
-    dimensions: int | None, hidden_size: int, matryoshka: bool, allowed: tuple[int, ...]
-) -> str | None:
+def check_dimensions(dimensions: int | None, model: ModelConfig) -> str | None:
     """Why ``dimensions`` cannot be served (None when it can). Truncating a model not trained
     for it (Matryoshka representation learning) gives poor vectors, so only such a model,
     declared in its config.json as vLLM reads it, may be truncated; the full size always works."""
+    hidden_size, allowed = model.hidden_size, model.matryoshka_dimensions
     if dimensions is None or dimensions == hidden_size:
         return None
     if not 1 <= dimensions <= hidden_size:
         return f"dimensions must be between 1 and the model's hidden size {hidden_size}"
-    if not matryoshka:
+    if not model.is_matryoshka:
         return (
             f"this model does not support Matryoshka truncation; dimensions may only be "
             f"{hidden_size}, its hidden size"

@@ -191,7 +191,7 @@ def test_openai_client_embeddings_equal_transformers(front, llama_dir: Path) -> 
     ids and lists of them, and float encoding: the ``--pooling mean`` vectors of transformers."""
     url, headers = front
     client = _client(url, headers)
-    ids = [client_ids for client_ids in _token_ids(url, headers, TEXTS)]
+    ids = _token_ids(url, headers, TEXTS)
     refs = [pooled(hf_hidden(llama_dir, i), "mean") for i in ids]
 
     r = client.embeddings.create(model=MODEL, input=TEXTS)
@@ -287,3 +287,15 @@ def _post(url: str, headers: dict[str, str], path: str, body: dict) -> dict:
 
 def _token_ids(url: str, headers: dict[str, str], texts: list[str]) -> list[list[int]]:
     return [_post(url, headers, "/tokenize", {"prompt": t})["tokens"] for t in texts]
+
+
+def test_openapi_documents_both_routes(stack) -> None:
+    both, _, _ = stack
+    spec = httpx.get(both.url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/embeddings", "EmbeddingRequest"), ("/pooling", "PoolingRequest")):
+        post = spec["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/" + model) and {"200", "400"} <= set(post["responses"])
+        fields = {"input", "model", "encoding_format", "dimensions", "user", "normalize"}
+        assert fields <= set(schemas[model]["properties"])

@@ -9,7 +9,6 @@ import struct
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -17,9 +16,9 @@ from transformers import AutoModelForCausalLM
 from tandem.server.engine import LLM, PoolingParams, SamplingParams
 from tandem.server.engine.default_model import default_model_path
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess
+from .api_helpers import ENGINE_FLAGS
 from .hf_reference import hf_greedy, hf_model
-from .test_proxy_helpers import ProxyProcess, stop_all
+from .test_proxy_helpers import FRONTS, engine_and_proxies, front_of, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,48 +148,20 @@ def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
     """A ``both`` engine and a prefill engine, both ``--pooling mean``; a proxy over the first
     (aggregated) and one over both (P/D)."""
     logs = tmp_path_factory.mktemp("embeddings")
-    flags = [*ENGINE_FLAGS, "--pooling", "mean"]
-    both = ServerProcess(str(llama_dir), *flags, log_path=logs / "both.log")
-    prefill = ServerProcess(
-        str(llama_dir), *flags, "--role", "prefill", log_path=logs / "prefill.log"
-    )
-    aggregated = ProxyProcess("--node", both.url, log_path=logs / "proxy-agg.log")
-    pd = ProxyProcess(
-        "--node",
-        f"{prefill.url}=prefill",
-        "--node",
-        f"{both.url}=both",
-        "--disagg-threshold",
-        "0",
-        log_path=logs / "proxy-pd.log",
-    )
-    try:
-        both.wait_ready()
-        prefill.wait_ready()
-        aggregated.wait_healthy([both.url])
-        pd.wait_healthy([prefill.url, both.url])
-        yield both, aggregated, pd
-    finally:
-        stop_all([aggregated, pd, prefill, both])
+    with engine_and_proxies(str(llama_dir), logs, *ENGINE_FLAGS, "--pooling", "mean") as stack:
+        yield stack
 
 
-@pytest.fixture(params=["engine", "proxy", "proxy-pd"])
+@pytest.fixture(params=FRONTS)
 def front(request, stack):
-    both, aggregated, pd = stack
-    target = {"engine": both, "proxy": aggregated, "proxy-pd": pd}[request.param]
-    return target.url, target.headers
-
-
-def _client(url: str, headers: dict[str, str]) -> openai.OpenAI:
-    key = headers.get("Authorization", "Bearer none").split()[-1]
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    return front_of(stack, request.param)
 
 
 def test_openai_client_embeddings_equal_transformers(front, llama_dir: Path) -> None:
     """``embeddings.create`` with texts (the client asks for base64 and decodes it), token
     ids and lists of them, and float encoding: the ``--pooling mean`` vectors of transformers."""
     url, headers = front
-    client = _client(url, headers)
+    client = openai_client(url, headers)
     ids = _token_ids(url, headers, TEXTS)
     refs = [pooled(hf_hidden(llama_dir, i), "mean") for i in ids]
 

@@ -410,13 +410,16 @@ class EmbeddingData(StrictOut):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(StrictOut):
+class VectorList(StrictOut):
     id: str
     object: Literal["list"] = "list"
     created: int
     model: str
-    data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class EmbeddingResponse(VectorList):
+    data: list[EmbeddingData]
 
 
 class PoolingData(StrictOut):
@@ -425,13 +428,8 @@ class PoolingData(StrictOut):
     data: list[float] | str
 
 
-class PoolingResponse(StrictOut):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class PoolingResponse(VectorList):
     data: list[PoolingData]
-    usage: EmbeddingUsage
 
 
 class ErrorDetail(StrictOut):

@@ -97,6 +97,36 @@ def test_embedding_and_generation_share_one_step(llama_dir: Path) -> None:
     assert free_blocks_all_back(llm)
 
 
+def test_a_preempted_embedding_starts_over(llama_dir: Path) -> None:
+    """Six usable blocks: a generation holding three that grows to five, and a chunked
+    mean-pooled embedding of four arriving meanwhile. The embedding is preempted, recomputes
+    from its first token (its partial sum dropped) and still equals transformers."""
+    llm = LLM(
+        str(llama_dir),
+        kv_cache_tokens=96,
+        block_size=16,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    gen_ids = llm.tokenizer.encode("In the beginning " * 8)[:20]
+    emb_ids = llm.tokenizer.encode("Once upon a time " * 20)[:60]
+    assert len(gen_ids) == 20 and len(emb_ids) == 60
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("gen", gen_ids, greedy)
+    while engine.scheduler.running[:1] == [] or engine.scheduler.running[0].num_tokens < 44:
+        engine.step()
+    engine.add_request("emb", emb_ids, SamplingParams(), pooling=PoolingParams("mean"))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.stats().num_preemptions > 0
+    assert done["gen"].token_ids == hf_greedy(llama_dir, gen_ids, 60)[0]
+    ref = pooled(hf_hidden(llama_dir, emb_ids), "mean")
+    assert cosine(done["emb"].embedding, ref) >= MIN_COSINE
+    assert free_blocks_all_back(llm)
+
+
 def test_dimensions_truncate_only_a_matryoshka_model(tmp_path: Path, llama_dir: Path) -> None:
     """A model whose config.json declares Matryoshka dimensions is truncated, then normalised;
     any other model serves only its full hidden size (the API's 400)."""

@@ -21,6 +21,7 @@ from . import (
     openai_routes,
     ops_routes,
     token_routes,
+    weights_routes,
 )
 from .auth import AuthMiddleware
 from .body import JSONBodyGuard
@@ -117,6 +118,7 @@ def build_app(
     app.include_router(embedding_routes.router, tags=["embeddings"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
+    app.include_router(weights_routes.router, tags=["ops"])
     app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import threading
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from tandem.server.engine import LLM, PoolingParams, SamplingParams
 from tandem.server.engine.default_model import default_model_path
 
-from .api_helpers import ENGINE_FLAGS
+from .api_helpers import ENGINE_FLAGS, held, wait_until
 from .hf_reference import hf_greedy, hf_model
 from .test_proxy_helpers import FRONTS, engine_and_proxies, front_of, openai_client
 
@@ -300,3 +301,37 @@ def test_openapi_documents_both_routes(stack) -> None:
         assert ref.endswith("/" + model) and {"200", "400"} <= set(post["responses"])
         fields = {"input", "model", "encoding_format", "dimensions", "user", "normalize"}
         assert fields <= set(schemas[model]["properties"])
+
+
+def test_an_aborted_embedding_is_a_503_and_frees_its_blocks(stack) -> None:
+    """Held in flight (the engine paused), then ``/abort_request`` with ``abort_all``: no
+    vector exists, so the answer is a retryable 503, and every block is back."""
+    both, _, _ = stack
+    with httpx.Client(timeout=60) as c:
+        with held(both):
+            result: dict = {}
+            t = threading.Thread(
+                target=lambda: result.update(
+                    r=c.post(
+                        both.url + "/v1/embeddings", json={"input": TEXTS}, headers=both.headers
+                    )
+                )
+            )
+            t.start()
+            wait_until(
+                lambda: both.health()["active_requests"] + both.health()["pending_requests"] == 3
+            )
+
+            def aborted() -> bool:
+                a = httpx.post(
+                    both.url + "/abort_request",
+                    json={"abort_all": True},
+                    headers=both.admin_headers,
+                )
+                return a.status_code == 200 and a.json()["aborted"] > 0
+
+            wait_until(aborted, what="the embeddings were aborted")
+        t.join()
+    r = result["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "request_aborted"
+    both.wait_idle()

@@ -53,6 +53,13 @@ async def _pool(
     request_id = new_id(prefix, request)
     job = await submit(state, request_id, prompts, SamplingParams(), stream=False, pooling=params)
     outs = await job.collect(request)
+    if any(out.embedding is None for out in outs):  # aborted (/abort_request, a weight update)
+        raise APIError(
+            503,
+            "the request was aborted before its input was computed; retry",
+            code="request_aborted",
+            type="server_error",
+        )
     return {
         "id": request_id,
         "object": "list",

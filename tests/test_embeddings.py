@@ -128,6 +128,19 @@ def test_a_preempted_embedding_starts_over(llama_dir: Path) -> None:
     assert free_blocks_all_back(llm)
 
 
+def test_embeddings_under_tensor_parallelism(llama_dir: Path) -> None:
+    """Two CPU ranks: rank 0's replicated final norm gives the same vectors."""
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, device="cpu", kv_cache_tokens=2048)
+    try:
+        for kind in ("last", "mean"):
+            vecs = llm.embed(TEXTS, PoolingParams(kind))
+            for text, vec in zip(TEXTS, vecs):
+                ref = pooled(hf_hidden(llama_dir, llm.tokenizer.encode(text)), kind)
+                assert cosine(vec, ref) >= MIN_COSINE
+    finally:
+        llm.engine.worker.close()
+
+
 def test_dimensions_truncate_only_a_matryoshka_model(tmp_path: Path, llama_dir: Path) -> None:
     """A model whose config.json declares Matryoshka dimensions is truncated, then normalised;
     any other model serves only its full hidden size (the API's 400)."""

@@ -348,3 +348,15 @@ def test_an_aborted_embedding_is_a_503_and_frees_its_blocks(stack) -> None:
     r = result["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "request_aborted"
     both.wait_idle()
+
+
+def test_more_inputs_than_the_waiting_queue_admits(stack) -> None:
+    """300 inputs (the engine admits 256 waiting requests) are served in waves, in order."""
+    both, _, _ = stack
+    inputs = [[5 + i % 50, 6, 7] for i in range(300)]
+    r = _post(both.url, both.headers, "/v1/embeddings", {"input": inputs})
+    assert [d["index"] for d in r["data"]] == list(range(300))
+    assert r["usage"]["prompt_tokens"] == 900
+    vec = [torch.tensor(r["data"][i]["embedding"]) for i in (0, 50, 1)]
+    assert cosine(vec[0], vec[1]) >= MIN_COSINE > cosine(vec[0], vec[2])  # same input, same vector
+    both.wait_idle()

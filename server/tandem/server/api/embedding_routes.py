@@ -30,6 +30,10 @@ from .state import ServerState, get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)
 
+# Inputs in the engine at once per request: OpenAI allows 2,048 inputs, more than the
+# engine's waiting queue admits (--max-waiting-requests, 429 beyond), so they go in waves.
+WAVE = 64
+
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
@@ -51,8 +55,12 @@ async def _pool(
     prompts = await _prompts(state, body.input)
     params = PoolingParams(normalize=body.normalize is not False, dimensions=body.dimensions)
     request_id = new_id(prefix, request)
-    job = await submit(state, request_id, prompts, SamplingParams(), stream=False, pooling=params)
-    outs = await job.collect(request)
+    outs: list[RequestOutput] = []
+    for start in range(0, len(prompts), WAVE):
+        wave_id = request_id if len(prompts) <= WAVE else f"{request_id}-{start}"
+        wave = prompts[start : start + WAVE]
+        job = await submit(state, wave_id, wave, SamplingParams(), stream=False, pooling=params)
+        outs += await job.collect(request)
     if any(out.embedding is None for out in outs):  # aborted (/abort_request, a weight update)
         raise APIError(
             503,

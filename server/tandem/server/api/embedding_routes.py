@@ -61,13 +61,13 @@ async def _pool(
         wave = prompts[start : start + WAVE]
         job = await submit(state, wave_id, wave, SamplingParams(), stream=False, pooling=params)
         outs += await job.collect(request)
-    if any(out.embedding is None for out in outs):  # aborted (/abort_request, a weight update)
-        raise APIError(
-            503,
-            "the request was aborted before its input was computed; retry",
-            code="request_aborted",
-            type="server_error",
-        )
+        if any(out.embedding is None for out in outs):  # aborted (/abort_request, weights)
+            raise APIError(
+                503,
+                "the request was aborted before its input was computed; retry",
+                code="request_aborted",
+                type="server_error",
+            )
     return {
         "id": request_id,
         "object": "list",

@@ -201,6 +201,10 @@ class EngineSpec(_Model):
         le=1,
         description="Fraction of the KV cache idle sessions may hold; beyond it the least recently used give theirs back",
     )
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None,
+        description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More 'tandem serve' flags, appended as given"
     )

@@ -130,19 +130,19 @@ def soak(args: argparse.Namespace) -> list[Minute]:
         lock = threading.Lock()
 
         def worker() -> None:
-            while (now := time.monotonic()) < end:
+            while (t0 := time.monotonic()) < end:
                 n = next(counter)
-                t0 = time.monotonic()
                 try:
                     one_request(client, base, model, n, args.max_tokens)
                     ok = True
                 except Exception as exc:  # noqa: BLE001 - counted, printed, the soak goes on
                     ok = False
                     print(f"request {n}: {type(exc).__name__}: {exc}", flush=True)
-                i = min(int((now - start) // 60), len(minutes) - 1)
+                done = time.monotonic()  # a request counts in the minute it ends in, so
+                i = min(int((done - start) // 60), len(minutes) - 1)  # each row is final
                 with lock:
                     if ok:
-                        minutes[i].latencies.append(time.monotonic() - t0)
+                        minutes[i].latencies.append(done - t0)
                     else:
                         minutes[i].errors += 1
 

@@ -37,7 +37,7 @@ import math
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,11 +212,13 @@ class Observed:
     now: float
     recent: list[Req]  # arrivals in the last window
     window_s: float
+    before: int  # arrivals in the window before that
     last_tick: int  # arrivals in the last control interval
     tick_s: float
     prefill_waiting: float  # mean waiting prompts per ready prefill replica
     prefill_backlog: int  # waiting prompts on all prefill replicas
     decode_waiting: float  # mean waiting sequences per ready decode replica
+    decode_backlog: int  # waiting sequences on all decode replicas
     prefill_replicas: int
     decode_replicas: int
 
@@ -237,6 +239,11 @@ def measured_load(obs: Observed) -> Load:
         osl=sum(r.osl for r in obs.recent) / len(obs.recent),
         isl_cv=math.sqrt(var) / mean,
         prefill_backlog=obs.prefill_backlog,
+        # the rate's change from the previous window to the last (PromQL's deriv())
+        rate_trend=(len(obs.recent) - obs.before) / obs.window_s**2
+        if obs.now >= 2 * obs.window_s
+        else 0.0,
+        decode_backlog=obs.decode_backlog,
     )
 
 
@@ -376,9 +383,10 @@ def simulate(
                 e.ctx -= reqs[i].isl + reqs[i].osl / 2
             admit_and_schedule(e, now)
         else:  # TICK
-            while recent_from < len(reqs) and reqs[recent_from].arrival < now - window_s:
+            while recent_from < len(reqs) and reqs[recent_from].arrival < now - 2 * window_s:
                 recent_from += 1
-            recent = [r for r in reqs[recent_from:] if r.arrival < now]
+            both = [r for r in reqs[recent_from:] if r.arrival < now]
+            recent = [r for r in both if r.arrival >= now - window_s]
             p_ready = [e for e in cl.live(cl.prefill) if e.ready_at <= now]
             d_ready = [e for e in cl.live(cl.decode) if e.ready_at <= now]
             for e in p_ready:
@@ -390,11 +398,13 @@ def simulate(
                 now,
                 recent,
                 window_s,
+                len(both) - len(recent),
                 sum(1 for r in recent if r.arrival >= now - tick_s),
                 tick_s,
                 sum(len(e.queue) for e in p_ready) / max(1, len(p_ready)),
                 sum(len(e.queue) for e in p_ready),
                 sum(len(e.waiting) for e in d_ready) / max(1, len(d_ready)),
+                sum(len(e.waiting) for e in d_ready),
                 len(cl.live(cl.prefill)),
                 len(cl.live(cl.decode)),
             )
@@ -429,6 +439,12 @@ def main() -> int:
     parser.add_argument("--high", type=float, default=30.0, help="requests/s at the peak")
     parser.add_argument("--step-low", type=float, default=15.0, help="req/s before the step")
     parser.add_argument("--startup", type=float, default=45.0, help="seconds to a ready replica")
+    parser.add_argument(
+        "--surge",
+        type=float,
+        default=PlannerConfig.surge,
+        help="rate rise the pools absorb during a start-up",
+    )
     parser.add_argument("--max-replicas", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", default="64,16,4,1", help="HPA targetAverageValue sweep")
@@ -439,7 +455,8 @@ def main() -> int:
     )
     slo = SloTarget(args.ttft_ms / 1000.0, args.itl_ms / 1000.0)
     bounds = Bounds(1, args.max_replicas)
-    cfg = PlannerConfig(slo, profile, bounds, bounds)
+    profile = replace(profile, startup_s=args.startup)  # what the planner plans ahead for
+    cfg = PlannerConfig(slo, profile, bounds, bounds, surge=args.surge)
     print(f"profile: {profile.source}")
     print(f"SLO: TTFT <= {args.ttft_ms:g} ms and mean ITL <= {args.itl_ms:g} ms per request")
     print(f"replica startup {args.startup:g} s; control interval 15 s; rate window 60 s\n")

@@ -18,6 +18,11 @@ pool is sized against the SLO term it controls.
   attainment). Each replica then generates ``m / step(m, c)`` tokens/s, and the pool needs
   ``rate * osl`` of them.
 
+A replica asked for now serves only after the engine's start-up, so each pool is also sized
+for the load one start-up ahead (the rate's rising trend, or a ``surge`` allowance for a step
+no trend announces) at the SLO *limit* (:class:`Headroom`, :func:`recommend`): a pool past its
+limit misses nearly every request, not the tail.
+
 Live measurements correct the profile (:func:`correction`): the ratio of measured to
 predicted latency scales the profile's times, as Dynamo's planner does.
 

@@ -162,7 +162,7 @@ class PlannerPools:
             lambda: all(self._deployment(r) for r in ("prefill", "decode")),
             timeout,
         )
-        self.settle(timeout)
+        wait_for("the first pods Ready", lambda: self.ready() == self.desired() != (0, 0), timeout)
 
     def round(self, now: float, samples: dict[str, float | None]) -> Decision:
         """One planning round of the operator's code at ``now``, on these metrics."""

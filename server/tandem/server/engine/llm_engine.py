@@ -33,6 +33,7 @@ from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
 from .tokenizer import load_tokenizer
+from .weights import WeightsIdentity, check_compatible
 from .worker import Worker
 
 
@@ -75,6 +76,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._rng = random.Random(config.seed)
         self.totals = Totals()
+        self.weights = WeightsIdentity(str(config.model))
 
     @property
     def device(self) -> torch.device:
@@ -218,6 +220,12 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def partial_output(self, request_id: str) -> RequestOutput | None:
+        """A non-streamed group's output as it stands (tokens and text so far), which an
+        abort hands back as its answer; None if the id is unknown."""
+        group = self._groups.get(request_id)
+        return None if group is None else group_output(request_id, group, self.tokenizer)
+
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
         return bool(
@@ -323,6 +331,25 @@ class LLMEngine:
         if self._sleep_level:
             self.worker.wake_up(self._sleep_level)
             self._sleep_level = 0
+
+    def update_weights(self, path: str, label: str | None = None) -> WeightsIdentity:
+        """Replace the model's weights with ``path``'s (a model directory or a GGUF file of
+        the same shapes) while nothing is in flight, then drop every KV block they computed:
+        the prefix cache, sessions and P/D leases. ``WeightsMismatchError`` (nothing changed)
+        when they do not fit, ``EngineBusyError`` while requests are in flight."""
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
+        if self._groups:
+            raise EngineBusyError(
+                f"{len(self._groups)} requests are in flight; drain or abort them first"
+            )
+        check_compatible(self.model_config, path)
+        self.worker.load_weights(path)
+        self.sessions.clear()
+        self.handoff.leases.clear()
+        self.kv.pool.reset_prefix_cache()
+        self.weights = self.weights.updated(str(path), label)
+        return self.weights
 
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""

@@ -33,6 +33,7 @@ from typing import Any
 from kubernetes import config
 
 from e2e.cluster import Cluster, wait_for
+from e2e.test_operator import _isvc
 from tandem.operator.kube import Kube
 from tandem.operator.planner import EngineProfile, PlannerState
 from tandem.operator.planning import PROFILE_KEY, Decision, queries, run_planner
@@ -121,23 +122,19 @@ def manifests(
             }
         }
 
-    isvc = {
-        "apiVersion": "tandem.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "mode": "Disaggregated",
-            "model": {"name": "tiny", "uri": "/opt/models/tiny"},
-            "slo": {
-                "ttftMs": spec.ttft_ms,
-                "itlMs": spec.itl_ms,
-                "surge": spec.surge,
-                "profileConfigMap": profile,
-            },
-            "prefill": pool(spec.prefill_max),
-            "decode": pool(spec.decode_max),
+    isvc = _isvc(
+        name,
+        namespace,
+        mode="Disaggregated",
+        slo={
+            "ttftMs": spec.ttft_ms,
+            "itlMs": spec.itl_ms,
+            "surge": spec.surge,
+            "profileConfigMap": profile,
         },
-    }
+        prefill=pool(spec.prefill_max),
+        decode=pool(spec.decode_max),
+    )
     return configmap, isvc
 
 

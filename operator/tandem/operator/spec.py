@@ -195,6 +195,10 @@ class EngineSpec(_Model):
         None,
         description="When a decode engine cannot pull the KV cache: fail the request, or recompute the prefill",
     )
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None,
+        description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More 'tandem serve' flags, appended as given"
     )

@@ -195,11 +195,13 @@ class Worker:
     def tensor_parallel_size(self) -> int:
         return self.shard.tp.size
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size)
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
-        return self.shard.run(inputs), sampling
+        logits, hidden = self.shard.runner.run_pooled(inputs)
+        return logits, hidden, sampling
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

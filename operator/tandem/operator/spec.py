@@ -296,6 +296,14 @@ class SloSpec(_Model):
     attainment: float = Field(
         0.99, ge=0.5, lt=1, description="Fraction of requests that must meet both targets"
     )
+    surge: float = Field(
+        0.75,
+        ge=0,
+        le=10,
+        description="Rise of the request rate, relative to the current rate, that the running "
+        "pools absorb at the SLO limit while a new replica starts (0.75: the load may grow by "
+        "three quarters within one engine start-up)",
+    )
     profile_config_map: str = Field(
         ...,
         min_length=1,

@@ -191,3 +191,14 @@ def held(*servers: ChildProcess) -> Iterator[None]:
     finally:
         for s in servers:
             httpx.post(s.url + "/resume", headers=s.admin_headers, timeout=10).raise_for_status()
+
+
+@contextlib.contextmanager
+def serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    """A module fixture's body: ready on entry; stopped on exit, which must be a clean exit."""
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.log_tail()

@@ -20,19 +20,21 @@ from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
-from .limits import check_request
+from .limits import check_pooled, check_request
 from .models.config import ModelConfig, eos_token_ids
 from .output_processor import group_output
 from .outputs import RequestOutput
+from .pooling import PoolingParams, accumulate, check_dimensions, finish, rows_read
 from .request import Request, RequestStatus
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
 from .tokenizer import load_tokenizer
+from .weights import WeightsIdentity, check_compatible
 from .worker import Worker
 
 
@@ -75,6 +77,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._rng = random.Random(config.seed)
         self.totals = Totals()
+        self.weights = WeightsIdentity(str(config.model))
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +97,7 @@ class LLMEngine:
         stream: bool = False,
         session_id: str | None = None,
         kv_transfer: dict | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
@@ -105,11 +109,17 @@ class LLMEngine:
 
         With ``session_id`` the request continues that session: it reuses the session's KV
         blocks for the prompt prefix they hold, and leaves its own blocks there when done.
+
+        With ``pooling`` the request is prefill-only (an embedding): ``params`` only needs
+        to be valid; it ends when the prompt is computed, its output carries the vector
+        (``RequestOutput.embedding``) and its blocks go back to the pool.
         """
         if self._sleep_level:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
+        if pooling is not None:
+            return self._add_pooled(request_id, prompt, params, pooling)
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
@@ -140,6 +150,35 @@ class LLMEngine:
             self._compiling.hold(group, remote, grammar)
         else:
             self._enqueue(group, remote, grammar)
+        self.totals.prompt_tokens += len(prompt_ids)
+        return prompt_ids
+
+    def _add_pooled(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        pooling: PoolingParams,
+    ) -> list[int]:
+        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        check_pooled(
+            prompt_ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len
+        )
+        if (why := check_dimensions(pooling.dimensions, self.model_config)) is not None:
+            raise InvalidParamError("dimensions", why)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=0,
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrival),
+            group_id=request_id,
+            arrival_time=time.monotonic(),
+            pooling=pooling.resolve(self.config.pooling),
+        )
+        self._groups[request_id] = [req]
+        self.scheduler.add(req)
         self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
 
@@ -218,6 +257,12 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def partial_output(self, request_id: str) -> RequestOutput | None:
+        """A non-streamed group's output as it stands (tokens and text so far), which an
+        abort hands back as its answer; None if the id is unknown."""
+        group = self._groups.get(request_id)
+        return None if group is None else group_output(request_id, group, self.tokenizer)
+
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
         return bool(
@@ -237,9 +282,9 @@ class LLMEngine:
         self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
-        logits, sampling = self.worker.execute(batch)
+        logits, hidden, sampling = self.worker.execute(batch)
         self.scheduler.update(batch)
-        report: dict[str, None] = {}
+        report = dict.fromkeys(self._pool(batch, hidden))
         if sampling:
             out = sample(logits, sampling)
             for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
@@ -247,6 +292,25 @@ class LLMEngine:
                 if req.stream or req.status.finished:
                     report[req.group_id] = None
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
+
+    def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
+        """Fold each pooled request's hidden rows (in batch order) into its state; one whose
+        prompt is now computed finishes with its vector and frees its blocks."""
+        done: list[str] = []
+        offset = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.pooling is None:
+                continue
+            kind, end = req.pooling.kind, req.num_computed_tokens  # after the update
+            count = len(rows_read(kind, end - n, end, req.num_tokens))
+            req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
+            offset += count
+            if end == req.num_tokens:
+                req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
+                req.finished_time = time.monotonic()
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                done.append(req.group_id)
+        return done
 
     def _append(self, req: Request, token: int, logprob: object) -> None:
         if req.pending_siblings:
@@ -323,6 +387,25 @@ class LLMEngine:
         if self._sleep_level:
             self.worker.wake_up(self._sleep_level)
             self._sleep_level = 0
+
+    def update_weights(self, path: str, label: str | None = None) -> WeightsIdentity:
+        """Replace the model's weights with ``path``'s (a model directory or a GGUF file of
+        the same shapes) while nothing is in flight, then drop every KV block they computed:
+        the prefix cache, sessions and P/D leases. ``WeightsMismatchError`` (nothing changed)
+        when they do not fit, ``EngineBusyError`` while requests are in flight."""
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
+        if self._groups:
+            raise EngineBusyError(
+                f"{len(self._groups)} requests are in flight; drain or abort them first"
+            )
+        check_compatible(self.model_config, path)
+        self.worker.load_weights(path)
+        self.sessions.clear()
+        self.handoff.leases.clear()
+        self.kv.pool.reset_prefix_cache()
+        self.weights = self.weights.updated(str(path), label)
+        return self.weights
 
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""

@@ -28,18 +28,17 @@ def group_output(group_id: str, group: list[Request], tokenizer: Tokenizer) -> R
         metrics=_timings(group),
         kv_transfer_params=group[0].kv_transfer_params,
         error=group[0].error,
+        embedding=(group[0].pooled.tolist() if group[0].pooling is not None and finished else None),
     )
 
 
 def _completion(req: Request, tokenizer: Tokenizer) -> CompletionOutput:
     if req.detokenizer is not None:
         text = req.detokenizer.text[: _text_end(req)]
-    elif req.status.finished:
+    else:  # finished, or reported before its end (an n > 1 sibling's finish, an abort)
         text = tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
         )
-    else:
-        text = ""
     return CompletionOutput(
         index=req.index,
         text=text,

@@ -20,7 +20,7 @@ import torch
 from .attention import select_backend
 from .config import ConfigError, EngineConfig
 from .kv_cache import KVCache
-from .loader import load_model, resolve_dtype
+from .loader import load_model, reload_weights, resolve_dtype
 from .model_runner import ModelRunner, StepInputs, prepare_inputs
 from .models.config import ModelConfig
 from .parallel import SINGLE, TensorParallel
@@ -50,6 +50,7 @@ class Shard:
         self.dtype = resolve_dtype(config.dtype, model_config, device)
         self.num_qo_heads = tp.divide(model_config.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = tp.divide(model_config.num_key_value_heads, "num_key_value_heads")
+        self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
         self.model = load_model(config.model, self.dtype, device, tp)
         self.num_blocks = self._agree(self._num_kv_blocks())
         self.kv_cache = KVCache(
@@ -135,9 +136,14 @@ class Shard:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def load_weights(self, path: str) -> None:
+        """Swap in ``path``'s weights (same shapes; see ``loader.reload_weights``)."""
+        reload_weights(self.model, path, self.dtype, self.tp)
+        self.weights_path = path
+
     def wake_up(self, level: int) -> None:
         if level == 2:
-            self.model = load_model(self.config.model, self.dtype, self.device, self.tp)
+            self.model = load_model(self.weights_path, self.dtype, self.device, self.tp)
             self.runner.model = self.model
         elif self.device.type == "cuda":
             self.model.to(self.device)
@@ -189,11 +195,13 @@ class Worker:
     def tensor_parallel_size(self) -> int:
         return self.shard.tp.size
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size)
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
-        return self.shard.run(inputs), sampling
+        logits, hidden = self.shard.runner.run_pooled(inputs)
+        return logits, hidden, sampling
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -207,6 +215,12 @@ class Worker:
         if self._ranks is not None:
             self._ranks.send(("sleep", level))
         self.shard.sleep(level)
+
+    def load_weights(self, path: str) -> None:
+        """Rank 0 first, so a checkpoint that fails leaves every rank on the old weights."""
+        self.shard.load_weights(path)
+        if self._ranks is not None:
+            self._ranks.send(("load_weights", path))
 
     def wake_up(self, level: int) -> None:
         if self._ranks is not None:

@@ -42,10 +42,12 @@ from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 from tandem.server.api.protocol import (
     ERROR_RESPONSES,
+    METRICS_RESPONSES,
     SSE_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     SessionId,
+    UpdateWeightsRequest,
 )
 
 from .pd_flow import PATHS, FlowConfig, PDFlow, ProxyError, error_body
@@ -302,6 +304,51 @@ def _add_openai_routes(app: FastAPI) -> None:
             return JSONResponse(refused.json(), status_code=refused.status_code)
         return JSONResponse({"aborted": sum(int(r.json().get("aborted", 0)) for r in answers)})
 
+    @app.post("/update_weights", responses=ERROR_RESPONSES)
+    async def update_weights(_: UpdateWeightsRequest, request: Request) -> JSONResponse:
+        """Every healthy engine serving ``model`` (every engine without one) loads the weights,
+        all at once, each by its own policy for requests in flight; the answer lists each
+        engine's. If any engine refused, the first refusal is the answer (its status and
+        error), with the list beside it."""
+        state = get_state(request)
+        body = _json_body(request)
+        model = body.get("model")
+        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(model)]
+        if not urls and not any(n.serves(model) for n in state.registry.nodes()):
+            raise ProxyError(  # the caller's mistake, not an outage
+                404,
+                f"The model '{model}' does not exist",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        if not urls:
+            raise ProxyError(
+                503,
+                "no healthy engine serves this model",
+                type="service_unavailable",
+                code="no_engines",
+            )
+        headers = {**state.flow.headers, **request_id_header(request)}
+
+        async def one(url: str) -> dict[str, Any]:
+            try:  # loading and draining take as long as they take
+                r = await state.client.post(
+                    url + "/update_weights",
+                    json=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(None, connect=10.0),
+                )
+                return {"url": url, "status": r.status_code, "body": r.json()}
+            except (httpx.HTTPError, ValueError) as exc:
+                return {"url": url, "status": 502, "body": {"error": f"{type(exc).__name__}"}}
+
+        results = list(await asyncio.gather(*(one(u) for u in urls)))
+        refused = next((r for r in results if r["status"] >= 400), None)
+        if refused is not None:
+            return JSONResponse({**refused["body"], "results": results}, refused["status"])
+        return JSONResponse({"success": True, "results": results})
+
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         state = get_state(request)
@@ -348,6 +395,7 @@ def _add_openai_routes(app: FastAPI) -> None:
             ),
             status_code=404,
         )
+        silent = ""  # an engine that did not answer may hold it: not a 404 then
         for url in urls:
             try:
                 r = await state.client.delete(
@@ -355,11 +403,19 @@ def _add_openai_routes(app: FastAPI) -> None:
                     headers=flow.headers,
                     timeout=10.0,
                 )
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                silent = f"{url}: {type(exc).__name__}"
                 continue
             if r.status_code < 400:
                 flow.sessions.forget(session_id)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if silent:
+            raise ProxyError(
+                503,
+                f"an engine that may hold session {session_id!r} did not answer ({silent})",
+                type="service_unavailable",
+                code="no_engine_available",
+            )
         return last
 
     @app.get("/v1/models")
@@ -588,7 +644,7 @@ def _add_ops_routes(app: FastAPI) -> None:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         """Prometheus text: requests by route/mode/status, failures, fallbacks, nodes."""
         reg = CollectorRegistry()

@@ -21,6 +21,11 @@ class ModelLoadError(ValueError):
     architecture or format. The message names what; the CLIs print it instead of a traceback."""
 
 
+class WeightsMismatchError(ModelLoadError):
+    """Weights that cannot replace the running ones: another architecture, config or tensor
+    shape (``/update_weights`` answers 409)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -41,6 +46,9 @@ class ModelConfig:
     qk_norm: bool = False
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # Trained for Matryoshka truncation (embeddings' ``dimensions``), as vLLM reads config.json.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -81,6 +89,8 @@ class ModelConfig:
             rope=rope_parameters(raw),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(raw.get("matryoshka_dimensions") or ()),
             **family.flags(raw),
         )
 

@@ -4,7 +4,7 @@ Rank 0 is the engine's own process (its ``Worker``). Ranks 1..N-1 are spawned pr
 (``spawn``, never ``fork``: CUDA and threads do not survive a fork) that build their shard
 and then loop: receive a message from rank 0, act on it. Messages are Python objects
 broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
-``("wake_up", level)``, ``("stop",)``); the model's all-reduces go over the device group
+``("wake_up", level)``, ``("load_weights", path)``, ``("stop",)``); the model's all-reduces go over the device group
 (NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
 
 Cleanup is the launcher's job, whatever happens: ``close`` stops the ranks, joins them, kills
@@ -261,6 +261,8 @@ def rank_main(
                 shard.sleep(msg[1])
             elif kind == "wake_up":
                 shard.wake_up(msg[1])
+            elif kind == "load_weights":
+                shard.load_weights(msg[1])
             elif kind == "stop":
                 break
             else:

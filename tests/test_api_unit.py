@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
@@ -12,7 +13,12 @@ from tandem.server.api.app import build_app
 from tandem.server.api.errors import APIError
 from tandem.server.api.native_routes import ollama_sampling_params
 from tandem.server.api.ops_routes import format_uptime
-from tandem.server.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tandem.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    OllamaOptions,
+)
 from tandem.server.api.state import ServerSettings
 from tandem.server.api.tool_parsers import tool_plan
 from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
@@ -116,11 +122,14 @@ def test_generate_and_ollama_params() -> None:
     )
     assert p.top_k == -1 and p.logprobs == 0 and p.max_tokens == 128
     o = ollama_sampling_params(
-        {"num_predict": -1, "temperature": 0, "top_k": 0, "stop": "x", "num_ctx": 4096}
+        OllamaOptions.model_validate(
+            {"num_predict": -1, "temperature": 0, "top_k": 0, "stop": "x", "num_ctx": 4096}
+        )
     )
     assert o.max_tokens is None and o.temperature == 0 and o.top_k == -1 and o.stop == ["x"]
-    with pytest.raises(APIError):
-        ollama_sampling_params({"seed": "1"})
+    for bad in ({"seed": "1"}, {"temperature": 1e9}, {"stop": ["s"] * 10_000}, {"top_p": True}):
+        with pytest.raises(pydantic.ValidationError):
+            OllamaOptions.model_validate(bad)
 
 
 def test_stream_deltas_merge_into_the_whole_output() -> None:

@@ -238,6 +238,37 @@ def test_every_bad_input_is_a_400(plane, server: str) -> None:
     assert 400 <= r.status_code < 500, r.text
 
 
+# Every route that takes a body, not only the OpenAI ones (found by an outside-in run: the
+# proxy re-encoded 1e999 into a 500, and Ollama's and /tokenize's messages took any role).
+OTHER_ROUTES_BAD = {
+    "/v1/chat/completions": CHAT + ', "metadata": {"x": 1e999}}',
+    "/v1/completions": COMPLETION + ', "unknown": -1e999}',
+    "/generate": '{"prompt": "hi", "temperature": 1e999}',
+    "/api/generate": '{"model": "tiny", "prompt": "hi", "options": {"temperature": 1e999}}',
+    "/api/chat": '{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}',
+    "/tokenize": '{"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}',
+    "/pooling": '{"model": "tiny", "input": "hi", "x": 1e999}',
+    "/api/show": '{"model": "tiny", "x": 1e999}',
+}
+
+
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_every_route_refuses_bad_input_with_a_4xx(plane, server: str) -> None:
+    url = plane[0 if server == "engine" else 1].url
+    for path, body in OTHER_ROUTES_BAD.items():
+        _is_error(_raw(url, path, body), what=path)
+    stops = json.dumps({"model": "tiny", "prompt": "hi", "options": {"stop": ["s"] * 10_000}})
+    _is_error(_raw(url, "/api/generate", stops), what="10,000 Ollama stop strings")
+    # no Content-Type at all: a 415 that says what to send (FastAPI would not parse it)
+    r = httpx.post(
+        url + "/v1/completions",
+        content=(COMPLETION + "}").encode(),
+        headers={"Authorization": f"Bearer {KEY_A}"},
+    )
+    assert "Content-Type" in _is_error(r, 415)["message"]
+    assert httpx.get(url + "/health").status_code == 200
+
+
 def test_p2p_connect_with_an_empty_address_is_a_400(plane) -> None:
     engine, _ = plane
     body = json.dumps({"remote_engine_id": "x", "remote_engine_endpoint_info": {"zmq_address": ""}})

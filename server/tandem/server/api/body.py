@@ -13,6 +13,7 @@ scope, and ``ParsedJSONRoute`` hands it to FastAPI, so no body is parsed twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -55,12 +56,16 @@ def parsed_body(request: Request) -> Any:
 
 
 def _check(value: Any) -> None:
-    """Nesting within MAX_DEPTH and every string encodable as UTF-8 (no lone surrogates)."""
+    """Nesting within MAX_DEPTH, every string encodable as UTF-8 (no lone surrogates) and
+    every number finite: JSON's ``1e999`` parses as infinity, which no encoder writes back
+    (the proxy re-encodes bodies for the engines)."""
     stack = [(value, 1)]
     while stack:
         v, depth = stack.pop()
         if isinstance(v, str):
             _check_text(v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise APIError(400, "a number in the request body is out of range", code="invalid_json")
         elif isinstance(v, dict | list):
             if depth > MAX_DEPTH:
                 raise APIError(
@@ -114,10 +119,11 @@ class JSONBodyGuard:
             headers = dict(scope.get("headers") or ())
             content_type = headers.get(b"content-type", b"").decode("latin-1")
             try:
-                if content_type and not is_json_type(content_type):
+                if not is_json_type(content_type):
                     raise APIError(
                         415,
-                        f"the request body must be application/json, not {content_type}",
+                        "the request body must be sent with Content-Type: application/json"
+                        + (f", not {content_type}" if content_type else ""),
                         code="unsupported_media_type",
                     )
                 scope[_SCOPE_KEY] = await parse_json(raw)

@@ -76,11 +76,23 @@ def tokenize_text(state: ServerState, text: str, param: str = "prompt", **kwargs
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
     """Ollama-style messages through the chat template to token ids (through ``off_loop``)."""
+    text = render_chat_text(state, messages)
+    return tokenize_text(state, text, "messages", add_special_tokens=False)
+
+
+def render_chat_text(
+    state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> str:
+    """The chat template's text for ``messages``; a template's own error is the client's 400."""
+    if getattr(state.tokenizer, "chat_template", None) is None:
+        raise APIError(
+            400, "this model has no chat template", param="messages", code="no_chat_template"
+        )
     for m in messages:
         check_prompt_chars(state, m.get("content") or "", "messages")
     try:
-        text = state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        return state.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as exc:  # jinja's TemplateError, and templates' raise_exception
         raise APIError(
@@ -89,7 +101,6 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]
             param="messages",
             code="invalid_value",
         ) from exc
-    return tokenize_text(state, text, "messages", add_special_tokens=False)
 
 
 def api_error(exc: BaseException) -> APIError:

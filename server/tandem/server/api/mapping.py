@@ -15,7 +15,13 @@ from fastapi import Request
 from tandem.server.engine import CompletionOutput, InvalidParamError, RequestOutput, SamplingParams
 
 from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+)
 from .tool_parsers import arguments_as_objects
 
 # A logprob of -inf is not JSON; clients get this floor instead (OpenAI uses -9999.0 too).
@@ -232,12 +238,13 @@ def completion_prompts(
     )
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them (content flattened to text)."""
-    if isinstance(req.messages, str):
-        return [{"role": "user", "content": req.messages}]
+def chat_messages(messages: str | list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (content flattened to text); a plain
+    string is LMDeploy's one user message."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
     out = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -294,7 +301,7 @@ def render_chat(
         )
     try:
         return tokenizer.apply_chat_template(
-            messages if messages is not None else chat_messages(req),
+            messages if messages is not None else chat_messages(req.messages),
             tokenize=False,
             tools=tools,
             **kwargs,

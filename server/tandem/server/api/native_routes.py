@@ -35,6 +35,7 @@ from .protocol import (
     GenerateResponse,
     OllamaChatRequest,
     OllamaGenerateRequest,
+    OllamaOptions,
     streamed,
 )
 from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
@@ -176,36 +177,19 @@ _OLLAMA_OPTIONS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-_OPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "seed": (int,),
-    "num_predict": (int,),
-    "stop": (str, list),
-    "repeat_penalty": (int, float),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-}
 
 
 def ollama_sampling_params(
-    options: dict[str, Any] | None, default_max_tokens: int | None = None
+    options: OllamaOptions | None, default_max_tokens: int | None = None
 ) -> SamplingParams:
     """Ollama's ``options`` onto ``SamplingParams`` (``num_predict`` -1 = up to the context)."""
     fields: dict[str, Any] = {"max_tokens": default_max_tokens}
-    for key, value in (options or {}).items():
-        if key not in _OLLAMA_OPTIONS:
-            continue  # Ollama has many runner options (num_ctx, num_gpu ...) with no meaning here
-        types = _OPTION_TYPES[key]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise APIError(
-                400,
-                f"options.{key} has the wrong type",
-                param=f"options.{key}",
-                code="invalid_value",
-            )
+    given = (
+        options.model_dump(exclude_none=True, exclude=set(options.model_extra or ()))
+        if options
+        else {}
+    )
+    for key, value in given.items():
         if key == "num_predict" and value < 0:
             value = None
         if key == "top_k" and value == 0:
@@ -284,8 +268,6 @@ async def ollama_chat(body: OllamaChatRequest, request: Request) -> Any:
     if not body.messages:
         state.check_admitting()
         return _ollama_loaded(model, _message_text(""))
-    if getattr(state.tokenizer, "chat_template", None) is None:
-        raise APIError(400, "this model has no chat template", code="no_chat_template")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     prompt = await off_loop(state, render_chat, state, messages)
     return await _ollama_run(
@@ -294,7 +276,7 @@ async def ollama_chat(body: OllamaChatRequest, request: Request) -> Any:
 
 
 def _ollama_params(
-    state: Any, options: dict[str, Any] | None, fmt: str | dict[str, Any] | None
+    state: Any, options: OllamaOptions | None, fmt: str | dict[str, Any] | None
 ) -> SamplingParams:
     params = ollama_sampling_params(options, state.settings.default_max_tokens)
     if (spec := ollama_format_spec(fmt)) is not None:

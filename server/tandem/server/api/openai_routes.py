@@ -95,7 +95,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     )  # no template, no history
     conversation = None
     if session is not None and not raw_prompt:
-        conversation = state.histories.resolve(session, mapping.chat_messages(body))
+        conversation = state.histories.resolve(session, mapping.chat_messages(body.messages))
     text = await off_loop(state, mapping.render_chat, state.tokenizer, body, conversation)
     prompt_ids = await off_loop(
         state, tokenize_text, state, text, "messages", add_special_tokens=False

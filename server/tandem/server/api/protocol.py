@@ -226,29 +226,47 @@ class AbortRequest(APIModel):
 
 
 # ----- Ollama-style /api/generate -----------------------------------------------------------
+class OllamaOptions(APIModel):
+    """The sampling part of Ollama's ``options``, bounded like the OpenAI fields; its many
+    runner options (``num_ctx``, ``num_gpu`` ...) mean nothing here and are ignored."""
+
+    temperature: Temperature | None = None
+    top_p: Finite | None = None
+    top_k: int | None = None
+    min_p: Finite | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: Stop | None = None
+    repeat_penalty: Finite | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+
+
 class OllamaGenerateRequest(APIModel):
     model: str | None = None
     prompt: str = ""
     stream: bool = True
     system: str | None = None
     raw: bool = False
-    options: dict[str, Any] | None = None
+    options: OllamaOptions | None = None
     context: TokenIds | None = None
     images: list[str] | None = None
     format: str | dict[str, Any] | None = None
 
 
 class OllamaMessage(APIModel):
-    role: str
+    role: Role
     content: str = ""
     images: list[str] | None = None
 
 
 class OllamaChatRequest(APIModel):
     model: str | None = None
-    messages: list[OllamaMessage] = Field(default_factory=list)
+    messages: Annotated[list[OllamaMessage], Field(max_length=MAX_MESSAGES)] = Field(
+        default_factory=list
+    )
     stream: bool = True
-    options: dict[str, Any] | None = None
+    options: OllamaOptions | None = None
     format: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
@@ -263,7 +281,7 @@ class TokenizeRequest(APIModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

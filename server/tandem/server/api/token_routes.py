@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request
 
 from .body import ParsedJSONRoute
 from .errors import APIError
-from .generation import off_loop, tokenize_text
+from .generation import off_loop, render_chat_text, tokenize_text
+from .mapping import chat_messages
 from .protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 from .state import ServerState, get_state
 
@@ -19,21 +20,8 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     """A prompt gets special tokens by default, a rendered chat none (the template wrote
     them), as vLLM does; ``add_special_tokens`` overrides either."""
     if body.messages is not None:
-        if getattr(state.tokenizer, "chat_template", None) is None:
-            raise APIError(
-                400, "this model has no chat template", param="messages", code="no_chat_template"
-            )
-        try:
-            text = state.tokenizer.apply_chat_template(
-                body.messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
-            )
-        except Exception as exc:  # jinja's TemplateError, and templates' raise_exception
-            raise APIError(
-                400,
-                f"the chat template failed on these messages: {exc}",
-                param="messages",
-                code="invalid_value",
-            ) from exc
+        messages = chat_messages(body.messages)
+        text = render_chat_text(state, messages, body.add_generation_prompt)
         special = bool(body.add_special_tokens)
         return tokenize_text(state, text, "messages", add_special_tokens=special)
     special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -213,23 +213,23 @@ def decode_step_time(llm, context: int, device: torch.device, iters: int) -> flo
     """Seconds per forward of one decode row with ``context`` tokens of context (logits included)."""
     from tandem.server.engine.model_runner import StepInputs
 
-    worker = llm.engine.worker
+    runner = llm.engine.worker.runner
     bs = llm.engine.config.block_size
     blocks = list(range(1, -(-context // bs) + 1))
-    if blocks[-1] >= worker.num_blocks:
+    if blocks[-1] >= runner.num_blocks:
         raise SystemExit(
-            f"--decode-context {context} does not fit the KV cache ({worker.num_blocks} blocks)"
+            f"--decode-context {context} does not fit the KV cache ({runner.num_blocks} blocks)"
         )
     pos = context - 1
     inputs = StepInputs(
         [11], [pos], [blocks[pos // bs] * bs + pos % bs], [1], [context], [blocks], [0]
     )
     for _ in range(5):
-        worker.runner.run(inputs)
+        runner.run(inputs)
     sync(device)
     start = time.perf_counter()
     for _ in range(iters):
-        worker.runner.run(inputs)
+        runner.run(inputs)
     sync(device)
     return (time.perf_counter() - start) / iters
 
@@ -293,7 +293,7 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
 
     step = decode_step_time(llm, args.decode_context, device, args.decode_iters)
-    weights, kv = step_bytes(llm.engine.worker.model, cfg, args.decode_context, dtype)
+    weights, kv = step_bytes(llm.engine.worker.runner.model, cfg, args.decode_context, dtype)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     floor = (weights + kv) / bandwidth
     del llm

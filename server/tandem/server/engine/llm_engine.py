@@ -20,7 +20,7 @@ from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
-from .limits import check_request
+from .limits import check_request, max_model_len
 from .models.config import ModelConfig, eos_token_ids
 from .output_processor import group_output
 from .outputs import RequestOutput
@@ -53,17 +53,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             eos_token_ids(config.model, self.model_config, self.tokenizer)
         )
-        num_blocks = self.worker.num_blocks
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            (num_blocks - 1) * config.block_size,
-        )
+        num_blocks = self.worker.runner.num_blocks
+        self.max_model_len = max_model_len(config, self.model_config, num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
         self.kv.reclaim = self.sessions.reclaim
-        layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
+        layout = KVLayout.of(self.model_config, config.block_size, self.worker.runner.dtype)
         self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
@@ -78,11 +74,11 @@ class LLMEngine:
 
     @property
     def device(self) -> torch.device:
-        return self.worker.device
+        return self.worker.runner.device
 
     @property
     def kv_cache(self) -> KVCache:
-        return self.worker.kv_cache
+        return self.worker.runner.kv_cache
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(

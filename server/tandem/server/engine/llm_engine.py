@@ -6,8 +6,6 @@ One thread drives it (``step``); the API layer feeds it through ``add_request`` 
 
 from __future__ import annotations
 
-import itertools
-import random
 import time
 from concurrent.futures import Future
 
@@ -15,12 +13,12 @@ import torch
 
 from .compiling import CompilingGroups
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .input_processor import InputProcessor
 from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
-from .limits import check_request, max_model_len
+from .limits import max_model_len
 from .models.config import ModelConfig, eos_token_ids
 from .output_processor import group_output
 from .outputs import RequestOutput
@@ -55,6 +53,15 @@ class LLMEngine:
         )
         num_blocks = self.worker.runner.num_blocks
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.eos_token_ids,
+            vocab_size=self.model_config.vocab_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+            new_generator=self.worker.new_generator,
+        )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
@@ -68,8 +75,6 @@ class LLMEngine:
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
-        self._arrival = itertools.count()
-        self._rng = random.Random(config.seed)
         self.totals = Totals()
 
     @property
@@ -108,25 +113,14 @@ class LLMEngine:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
-        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        prompt_ids = self.inputs.prompt_ids(prompt)
         params, remote_decode, remote = self.handoff.parse(
             kv_transfer, params, session_id, len(prompt_ids)
         )
-        max_tokens = check_request(
-            prompt_ids,
-            params,
-            vocab_size=self.model_config.vocab_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
+        group = self.inputs.group(request_id, prompt_ids, params, stream)
         grammar = None if params.structured is None else self.grammars.submit(params.structured)
         if grammar is not None and grammar.done():
             grammar.result()  # a grammar that failed to compile is this request's 400
-        group = [
-            self._new_request(request_id, i, prompt_ids, params, max_tokens, stream)
-            for i in range(params.n)
-        ]
-        group[0].pending_siblings = group[1:]
         if session_id is not None:
             group[0].session_id = session_id
             self.sessions.attach(session_id, group[0])
@@ -138,35 +132,6 @@ class LLMEngine:
             self._enqueue(group, remote, grammar)
         self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
-
-    def _new_request(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        stream: bool,
-    ) -> Request:
-        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
-        return Request(
-            request_id=request_id if params.n == 1 else f"{request_id}-{index}",
-            prompt_token_ids=prompt_ids,
-            params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            arrival_order=next(self._arrival),
-            group_id=request_id,
-            index=index,
-            stream=stream,
-            arrival_time=time.monotonic(),
-            generator=self.worker.new_generator(seed),
-            detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                if stream or params.stop
-                else None
-            ),
-        )
 
     def _enqueue(
         self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
@@ -246,7 +211,7 @@ class LLMEngine:
 
     def _append(self, req: Request, token: int, logprob: object) -> None:
         if req.pending_siblings:
-            self._fork_siblings(req)
+            self.scheduler.fork_siblings(req)
         req.output_token_ids.append(token)
         if req.grammar is not None:
             req.grammar.advance(req.output_token_ids)
@@ -266,14 +231,6 @@ class LLMEngine:
                 self.handoff.grant_lease(req)
             req.finished_time = time.monotonic()
             self.scheduler.finish(req, status)
-
-    def _fork_siblings(self, leader: Request) -> None:
-        """Siblings of an n > 1 request share the leader's full prompt blocks from here on."""
-        shared = (leader.num_prompt_tokens - 1) // self.config.block_size
-        for sib in leader.pending_siblings:
-            self.kv.fork(leader, sib, shared)
-            self.scheduler.add_running(sib)
-        leader.pending_siblings = []
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
         group = self._groups.get(group_id)

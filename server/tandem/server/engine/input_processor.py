@@ -1,0 +1,96 @@
+"""Turning what a client sent into the engine's requests: the prompt's token ids, checked
+against the model's limits, and one ``Request`` per choice, each with its own seeded
+generator and (where text is needed while it runs) an incremental detokenizer.
+
+The mirror of ``output_processor``: the engine's bookkeeping sees only ``Request`` objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .limits import check_request
+from .request import Request
+from .sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        *,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        seed: int,
+        new_generator: Callable[[int], torch.Generator],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.new_generator = new_generator
+        self._rng = random.Random(seed)
+        self._arrival = itertools.count()
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+
+    def group(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream: bool
+    ) -> list[Request]:
+        """The ``params.n`` sequences of one request; raises InvalidParamError if it cannot run.
+
+        The first sequence leads: the others wait in its ``pending_siblings`` until its
+        prompt is computed, then share its prompt blocks.
+        """
+        max_tokens = check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+        group = [
+            self._request(request_id, i, prompt_ids, params, max_tokens, stream)
+            for i in range(params.n)
+        ]
+        group[0].pending_siblings = group[1:]
+        return group
+
+    def _request(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stream: bool,
+    ) -> Request:
+        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        return Request(
+            request_id=request_id if params.n == 1 else f"{request_id}-{index}",
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrival),
+            group_id=request_id,
+            index=index,
+            stream=stream,
+            arrival_time=time.monotonic(),
+            generator=self.new_generator(seed),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                if stream or params.stop
+                else None
+            ),
+        )

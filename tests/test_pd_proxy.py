@@ -83,9 +83,9 @@ def _client(url: str, key: str = PROXY_KEY) -> openai.OpenAI:
 
 
 def _complete(
-    client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24
+    client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24, **more: object
 ) -> tuple[str, str | None]:
-    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, **more)
     if not stream:
         r = client.completions.create(**kw)
         return r.choices[0].text, r.choices[0].finish_reason
@@ -135,6 +135,28 @@ def test_pd_output_equals_single_engine(stack, stream: bool) -> None:
     assert after - before == len(PROMPTS) + len(CHATS)  # every one went prefill -> decode
     for e in (p, d):
         wait_free(e)  # the decode side released each lease: every block free on both sides
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_pd_first_token_that_stops(stack, stream: bool) -> None:
+    """The prefill's one token already ends the request: the decode engine answers it (without
+    a pull) as one engine would, and the proxy passes that through untouched."""
+    proxy, p, d, ref = stack
+    via, alone = _client(proxy.url), _client(ref.url, "unused")
+    first, _ = _complete(alone, PROMPTS[1], stream=False, max_tokens=1)
+    assert first
+    before = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
+    want = _complete(alone, PROMPTS[1], stream=False, stop=[first])
+    assert want == ("", "stop")
+    assert _complete(via, PROMPTS[1], stream, stop=[first]) == want
+    after = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
+    assert after - before == 1
+    for e in (p, d):
+        wait_free(e)  # the decode side released the lease it never pulled from
 
 
 def test_pd_usage_and_token_ids_are_the_whole_requests(stack) -> None:

@@ -22,7 +22,7 @@ from .limits import max_model_len
 from .models.config import ModelConfig, eos_token_ids
 from .output_processor import group_output
 from .outputs import RequestOutput
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, TokenLogprob
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
@@ -99,13 +99,11 @@ class LLMEngine:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
         ``step`` reports a streamed request as deltas when its text grows, any other (whole)
-        only when it finishes.
-        ``kv_transfer`` carries the P/D handoff: ``{"do_remote_decode": true}`` makes this a
-        prefill (one token, blocks kept under a lease); a ``do_remote_prefill`` handle makes it
-        a decode whose prompt K/V is pulled from the prefill engine (see ``KVHandoff``).
-
-        With ``session_id`` the request continues that session: it reuses the session's KV
-        blocks for the prompt prefix they hold, and leaves its own blocks there when done.
+        only when it finishes. ``kv_transfer`` carries the P/D handoff (see ``KVHandoff``):
+        ``{"do_remote_decode": true}`` makes this a prefill (one token, blocks kept under a
+        lease); a ``do_remote_prefill`` handle, a decode that pulls its prompt's K/V. With
+        ``session_id`` the request continues that session: it reuses the session's KV blocks
+        for the prompt prefix they hold, and leaves its own blocks there when done.
         """
         if self._sleep_level:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
@@ -142,11 +140,16 @@ class LLMEngine:
         if remote is None:
             self.scheduler.add(group[0])
             return
-        self.handoff.start(group[0], remote)
-        if group[0].grammar is not None:  # the prefill engine sampled it under the same grammar
-            group[0].grammar.advance(group[0].output_token_ids)
-        if not group[0].params.greedy:  # keep a seeded generator where an aggregated run would be
-            self.worker.skip_draw(group[0].generator)
+        req = group[0]
+        req.remote_prefill = remote
+        if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
+            self.worker.skip_draw(req.generator)
+        # The prefill engine sampled the first token (under the same grammar): take it as ours.
+        if not self._append(req, remote.first_token_ids[0], None):
+            self.handoff.wait_for_blocks(req)
+            return
+        self.handoff.release_unpulled(req)  # that token ended it: nothing to pull
+        self._report_between_steps(req.group_id)
 
     def _admit_compiled(self) -> None:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
@@ -160,8 +163,7 @@ class LLMEngine:
                 req.finished_time = time.monotonic()
             if c.group[0].session_id is not None:
                 self.sessions.detach(c.group[0].session_id, c.group[0], keep_blocks=False)
-            if (out := self._group_output(c.group[0].group_id)) is not None:
-                self._ready_outputs.append(out)
+            self._report_between_steps(c.group[0].group_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
@@ -202,6 +204,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         report: dict[str, None] = {}
         if sampling:
+            self.totals.generated_tokens += len(sampling)
             out = sample(logits, sampling)
             for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
                 self._append(req, token, lp)
@@ -209,7 +212,8 @@ class LLMEngine:
                     report[req.group_id] = None
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
 
-    def _append(self, req: Request, token: int, logprob: object) -> None:
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
+        """Add a sampled token; finish ``req`` if it ends it, and say whether it did."""
         if req.pending_siblings:
             self.scheduler.fork_siblings(req)
         req.output_token_ids.append(token)
@@ -219,18 +223,19 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if logprob is not None:
             req.logprobs.append(logprob)
-        self.totals.generated_tokens += 1
         status, reason = check_stop(req, token, self.max_model_len)
-        if status is not None:
-            req.stop_reason = reason
-            if req.detokenizer is not None and req.stop_text_end is None:
-                req.detokenizer.finish()
-            if req.session_id is not None:
-                self.sessions.detach(req.session_id, req, keep_blocks=True)
-            if req.remote_decode:
-                self.handoff.grant_lease(req)
-            req.finished_time = time.monotonic()
-            self.scheduler.finish(req, status)
+        if status is None:
+            return False
+        req.stop_reason = reason
+        if req.detokenizer is not None and req.stop_text_end is None:
+            req.detokenizer.finish()
+        if req.session_id is not None:
+            self.sessions.detach(req.session_id, req, keep_blocks=True)
+        if req.remote_decode:
+            self.handoff.grant_lease(req)
+        req.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+        return True
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
         group = self._groups.get(group_id)
@@ -240,12 +245,17 @@ class LLMEngine:
             del self._groups[group_id]
         return group_output(group_id, group, self.tokenizer)
 
+    def _report_between_steps(self, group_id: str) -> None:
+        """A group that changed outside ``step`` is reported by the next one."""
+        if (out := self._group_output(group_id)) is not None:
+            self._ready_outputs.append(out)
+
     # ----- prefill/decode disaggregation ---------------------------------------------------
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
         """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
         req = self.handoff.complete_pull(request_id, error)
-        if req is not None and (out := self._group_output(req.group_id)) is not None:
-            self._ready_outputs.append(out)
+        if req is not None:
+            self._report_between_steps(req.group_id)
 
     # ----- sessions and sleep --------------------------------------------------------------
     @property

@@ -17,12 +17,10 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Path, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.server.api.auth import (
     PROXY_ADMIN_PATHS,
@@ -37,7 +35,7 @@ from tandem.server.api.edge import (
     install_edge,
     request_id_header,
 )
-from tandem.server.api.errors import validation_message, without_422
+from tandem.server.api.errors import APIError, error_response, install_error_handlers
 from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 from tandem.server.api.protocol import (
@@ -48,7 +46,7 @@ from tandem.server.api.protocol import (
     SessionId,
 )
 
-from .pd_flow import PATHS, FlowConfig, PDFlow, ProxyError, error_body
+from .pd_flow import PATHS, FlowConfig, PDFlow
 from .registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -148,7 +146,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     )
     app.router.route_class = ParsedJSONRoute
     app.state.proxy = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _add_openai_routes(app)
     _add_node_routes(app)
     _add_ops_routes(app)
@@ -173,54 +171,13 @@ def _credentials(settings: ProxySettings) -> Credentials:
     return Credentials(frozenset(clients), c.internal_key, c.admin_key, keyless_clients=True)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    without_422(app)
-
-    @app.exception_handler(ProxyError)
-    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return JSONResponse(
-            error_body(message, type="invalid_request_error", code="invalid_value", param=param),
-            status_code=400,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            exc.status_code
-        )
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(
-            error_body(
-                f"internal error: {type(exc).__name__}",
-                type="internal_error",
-                code="internal_error",
-            ),
-            status_code=500,
-        )
-
-
 def _json_body(request: Request) -> dict[str, Any]:
     """The body ``JSONBodyGuard`` parsed (a copy: routes add fields), if it is an object."""
     body = parsed_body(request)
     if not isinstance(body, dict):
-        raise ProxyError(
+        raise APIError(
             400,
             "the request body must be a JSON object",
-            type="invalid_request_error",
             code="invalid_value",
         )
     return dict(body)
@@ -234,10 +191,9 @@ def _client_body(body: dict[str, Any], request: Request) -> dict[str, Any]:
     if owner and body.get("session_id") is not None:
         body = {**body, "session_id": session_key(body["session_id"], owner)}
     if "kv_transfer_params" in body:
-        raise ProxyError(
+        raise APIError(
             403,
             "kv_transfer_params belongs to the internal P/D plane and cannot be sent by clients",
-            type="invalid_request_error",
             code="kv_transfer_forbidden",
             param="kv_transfer_params",
         )
@@ -306,10 +262,9 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         state = get_state(request)
         if model_id not in state.registry.models():
-            raise ProxyError(
+            raise APIError(
                 404,
                 f"The model '{model_id}' does not exist",
-                type="invalid_request_error",
                 code="model_not_found",
                 param="model",
             )
@@ -339,14 +294,13 @@ def _add_openai_routes(app: FastAPI) -> None:
         flow = state.flow
         held = flow.sessions.get(session_id)
         urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
-        last: Response = JSONResponse(
-            error_body(
+        last: Response = error_response(
+            APIError(
+                404,
                 f"session {session_id!r} does not exist",
-                type="not_found_error",
                 code="session_not_found",
                 param="session_id",
-            ),
-            status_code=404,
+            )
         )
         for url in urls:
             try:
@@ -379,19 +333,17 @@ def _add_node_routes(app: FastAPI) -> None:
     def node_fields(body: dict[str, Any]) -> tuple[str, str, list[str] | None]:
         url = body.get("url")
         if not isinstance(url, str) or not url.strip():
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'url' is a required property",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="url",
             )
         status = body.get("status") or {}
         if not isinstance(status, dict):
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'status' must be an object",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status",
             )
@@ -399,10 +351,9 @@ def _add_node_routes(app: FastAPI) -> None:
         try:
             role_name = parse_role(role)
         except ValueError as exc:
-            raise ProxyError(
+            raise APIError(
                 400,
                 str(exc),
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status.role",
             ) from exc
@@ -410,19 +361,16 @@ def _add_node_routes(app: FastAPI) -> None:
         if models is not None and not (
             isinstance(models, list) and all(isinstance(m, str) for m in models)
         ):
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'models' must be a list of strings",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status.models",
             )
         try:
             return normalize_url(url), role_name, models
         except ValueError as exc:
-            raise ProxyError(
-                400, str(exc), type="invalid_request_error", code="invalid_value", param="url"
-            ) from exc
+            raise APIError(400, str(exc), code="invalid_value", param="url") from exc
 
     @app.post("/nodes/add")
     async def add_node(request: Request) -> dict[str, Any]:
@@ -459,10 +407,9 @@ def _add_node_routes(app: FastAPI) -> None:
         address a caller names and echoes nothing it read (no SSRF)."""
         node = state.registry.remove(url)
         if node is None:
-            raise ProxyError(
+            raise APIError(
                 404,
                 f"{url} is not a registered engine",
-                type="invalid_request_error",
                 code="node_not_found",
                 param="url",
             )

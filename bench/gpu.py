@@ -3,8 +3,8 @@
 The offline workload of nano-vllm's benchmark: 256 sequences, input and output lengths each
 uniform in 100..1024 (random token ids), ``ignore_eos``, greedy. Models: the shapes of
 Qwen3-0.6B and Llama-3.1-8B (their published config.json) with random bfloat16 weights made
-in memory on the GPU; Tandem loads the very same tensors (``register_in_memory_weights``),
-so both sides run the same model on the same prompts.
+on the GPU, saved into the model's directory; Tandem loads them from there, so both sides run
+the same model on the same prompts.
 
 Per model it prints:
   * Tandem's output tokens/s over the whole workload (one ``generate`` call);
@@ -264,8 +264,6 @@ def run_transformers(
 
 
 def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src: Path) -> None:
-    from tandem.server.engine.loader import forget_in_memory_weights, register_in_memory_weights
-
     cfg = SHAPES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
@@ -280,11 +278,8 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
 
     hf = random_hf_model(path, dtype, device, args.seed)
-    register_in_memory_weights(path, hf.state_dict())
-    try:
-        llm, t_ours, n_ours = run_tandem(path, prompts, outputs, args, device, dtype_name)
-    finally:
-        forget_in_memory_weights(path)
+    hf.save_pretrained(path)  # the checkpoint Tandem loads: the very tensors transformers holds
+    llm, t_ours, n_ours = run_tandem(path, prompts, outputs, args, device, dtype_name)
     runner = llm.engine.worker.runner
     print(
         f"tandem        {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s  "

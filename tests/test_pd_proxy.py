@@ -15,7 +15,13 @@ import pytest
 
 from tandem.server.api.registration import register_engine
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess, aborted_count, held, sse_events, wait_until
+from .api_helpers import (
+    ENGINE_FLAGS,
+    ServerProcess,
+    give_up_while_held,
+    leave_mid_stream,
+    sse_events,
+)
 from .test_proxy_helpers import (
     PROXY_ADMIN_KEY,
     PROXY_KEY,
@@ -203,24 +209,12 @@ def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream(
-        "POST", proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers, timeout=60
-    ) as r:
-        lines = r.iter_lines()
-        assert any(next(lines).startswith("data:") for _ in range(6))
+    url = proxy.url + "/v1/chat/completions"
+    leave_mid_stream(url, body, proxy.headers)
     for e in (p, d):
         wait_free(e, timeout=15)
     # and a client that gives up on a non-streamed request, held in flight on the decode engine
-    before = aborted_count(p) + aborted_count(d)
-    with held(d):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
-                proxy.url + "/v1/chat/completions",
-                json={**body, "stream": False},
-                headers=proxy.headers,
-                timeout=0.4,
-            )
-        wait_until(lambda: aborted_count(p) + aborted_count(d) > before, what="an engine aborting")
+    give_up_while_held(url, body, proxy.headers, held_on=[d], engines=[p, d])
     for e in (p, d):
         wait_free(e, timeout=15)
 

@@ -218,3 +218,14 @@ def give_up_while_held(
         wait_until(
             lambda: sum(aborted_count(e) for e in engines) > before, what="an engine aborting"
         )
+
+
+@contextlib.contextmanager
+def serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    """A module fixture's body: ready on entry; stopped on exit, which must be a clean exit."""
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.log_tail()

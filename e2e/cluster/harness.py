@@ -33,6 +33,14 @@ _STAGES = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
 
 GANG_FEATURE_GATES = "GenericWorkload=true,GangScheduling=true"
+# One controller-manager and one scheduler, on a machine the tests may starve of CPU: a
+# missed 10 s renewal (the default) makes either exit, and the cluster silently stops
+# creating ServiceAccounts or scheduling pods. Nothing competes for these leases.
+_PATIENT_LEADER_ELECTION = (
+    "--leader-elect-lease-duration=120s",
+    "--leader-elect-renew-deadline=110s",
+    "--leader-elect-retry-period=2s",
+)
 
 
 class ClusterError(RuntimeError):
@@ -351,6 +359,7 @@ class Cluster:
             f"--cluster-signing-cert-file={certs.ca.cert}",
             f"--cluster-signing-key-file={certs.ca.key}",
             "--profiling=false",
+            *_PATIENT_LEADER_ELECTION,
         ]
 
     def _scheduler_args(self) -> list[str]:
@@ -360,6 +369,7 @@ class Cluster:
             "--secure-port=0",
             "--profiling=false",
             f"--feature-gates={GANG_FEATURE_GATES}",
+            *_PATIENT_LEADER_ELECTION,
         ]
 
     def _kwok_args(self) -> list[str]:

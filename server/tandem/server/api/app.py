@@ -13,7 +13,15 @@ from fastapi import FastAPI
 
 from tandem.server.engine import LLMEngine
 
-from . import distserve_routes, native_routes, ollama, openai_routes, ops_routes, token_routes
+from . import (
+    distserve_routes,
+    native_routes,
+    ollama,
+    openai_routes,
+    ops_routes,
+    token_routes,
+    weights_routes,
+)
 from .auth import AuthMiddleware
 from .body import JSONBodyGuard
 from .chat_history import ChatHistories
@@ -108,6 +116,7 @@ def build_app(
     app.include_router(token_routes.router, tags=["tokens"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
+    app.include_router(weights_routes.router, tags=["ops"])
     app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)

@@ -36,7 +36,7 @@ ENGINE_ADMIN_PATHS = frozenset(
     {"/terminate", "/sleep", "/wakeup", "/pause", "/resume", "/update_weights", "/abort_request"}
 )
 ENGINE_ADMIN_PREFIXES = ("/distserve/",)
-PROXY_ADMIN_PATHS: frozenset[str] = frozenset({"/abort_request"})
+PROXY_ADMIN_PATHS: frozenset[str] = frozenset({"/abort_request", "/update_weights"})
 PROXY_ADMIN_PREFIXES = ("/nodes/", "/distserve/")
 
 Principal = Literal["open", "anonymous", "client", "internal", "admin"]

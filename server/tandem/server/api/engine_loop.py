@@ -39,6 +39,10 @@ class EngineNotReadyError(Exception):
     """The engine is still loading, failed to load, or has stopped: the API's 503."""
 
 
+class UpdateInProgressError(Exception):
+    """A weight update was asked for while another waits for requests to drain: the API's 409."""
+
+
 class EngineStepError(Exception):
     """The engine failed while stepping; every request in flight gets this."""
 
@@ -100,6 +104,15 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclass
+class _Update:
+    """Replace the weights (``fn``) once the engine is idle; ``drain`` False aborts first."""
+
+    fn: Callable[[LLMEngine], Any]
+    drain: bool
+    future: concurrent.futures.Future
+
+
 class _Stop:
     pass
 
@@ -145,6 +158,9 @@ class AsyncEngine:
         )
         self.info: dict[str, Any] = {}  # static facts about the engine, set once it is built
         self.paused = False  # set by pause()/resume(); the loop applies commands but does not step
+        self._steps_left: int | None = None  # resume(steps=N): pause again after N steps
+        self._update: _Update | None = None  # a weight update waiting for the engine to drain
+        self._deferred: list[_Add] = []  # adds that arrived meanwhile: they run on the new weights
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -232,26 +248,25 @@ class AsyncEngine:
                 for rid, t in self._tracked.items()
                 if session is None or (t.session_id is not None and session(t.session_id))
             ]
-            batch = []
-            for rid in ids:
-                tracked = self._tracked.pop(rid)
-                engine.abort_request(rid)
-                batch.append(
-                    (
-                        tracked.sink,
-                        rid,
-                        aborted_output(
-                            rid, tracked.prompt_ids, tracked.n, tracked.last, tracked.reasons
-                        ),
-                    )
-                )
-            if batch and self._loop is not None:
-                self._loop.call_soon_threadsafe(_deliver, batch)
-            if ids and self._metrics is not None:
-                self._metrics.on_aborted(len(ids))
+            self._abort_tracked(engine, ids)
             return len(ids)
 
         return await self.call(fn)
+
+    async def update_weights(self, fn: Callable[[LLMEngine], T], *, drain: bool) -> T:
+        """Run ``fn(engine)`` (a weight update) with nothing in flight. ``drain``: requests
+        already admitted finish first (on the old weights) while new ones wait, then run on
+        the new weights; otherwise every request in flight is aborted at once (each answers
+        what it produced so far). Returns ``fn``'s result, or raises what it raised."""
+        self._check_ready()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Update(fn, drain, fut))
+        return await asyncio.wrap_future(fut)
+
+    @property
+    def updating(self) -> bool:
+        """A weight update is waiting for the requests in flight to finish."""
+        return self._update is not None
 
     def pause(self) -> None:
         """Stop stepping: requests in flight stay admitted, hold their blocks and make no
@@ -259,7 +274,10 @@ class AsyncEngine:
         weight update, and by tests that need a request held in flight deterministically."""
         self.paused = True
 
-    def resume(self) -> None:
+    def resume(self, steps: int | None = None) -> None:
+        """Step again; with ``steps``, pause once that many steps have run (so a test can
+        hold a request in flight after exactly ``steps`` tokens)."""
+        self._steps_left = steps
         self.paused = False
         self._commands.put(_Call(lambda e: None, concurrent.futures.Future()))  # wake the loop
 
@@ -279,6 +297,7 @@ class AsyncEngine:
                 "block_size": stats.block_size,
                 "num_blocks": stats.total_blocks,
                 "device": str(engine.device),
+                "weights": engine.weights.as_dict(),
             }
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
             if isinstance(exc, ModelLoadError):  # the message says it all
@@ -298,6 +317,8 @@ class AsyncEngine:
                     break
                 if not self.paused and engine.has_unfinished_requests():
                     self._step(engine)
+                    self._count_step()
+                self._run_update(engine)
                 self._dispatch_pulls(engine)
                 self._expire(engine)
                 self._publish(READY)
@@ -306,6 +327,12 @@ class AsyncEngine:
                 engine.abort_request(rid)
             self._deliver_error(list(self._tracked), EngineNotReadyError("the engine stopped"))
             self._tracked.clear()
+            waiting = [c.future for c in self._deferred] + (
+                [self._update.future] if self._update else []
+            )
+            for fut in waiting:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineNotReadyError("the engine stopped"))
             self.state = STOPPED
             engine.close()
 
@@ -328,7 +355,9 @@ class AsyncEngine:
     def _apply(self, cmd: object) -> None:
         engine = self._engine
         assert engine is not None
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, _Add) and self._update is not None:
+            self._deferred.append(cmd)
+        elif isinstance(cmd, _Add):
             if not cmd.future.set_running_or_notify_cancel():
                 return
             try:
@@ -372,6 +401,58 @@ class AsyncEngine:
                 cmd.future.set_result(cmd.fn(engine))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 cmd.future.set_exception(exc)
+        elif isinstance(cmd, _Update):
+            if self._update is not None:
+                cmd.future.set_exception(
+                    UpdateInProgressError("another weight update is waiting for requests to drain")
+                )
+                return
+            self._update = cmd
+            if not cmd.drain:
+                self._abort_tracked(engine, list(self._tracked))
+
+    def _count_step(self) -> None:
+        if self._steps_left is not None:
+            self._steps_left -= 1
+            if self._steps_left <= 0:
+                self._steps_left = None
+                self.paused = True
+
+    def _run_update(self, engine: LLMEngine) -> None:
+        """Once nothing is in flight, swap the weights, then admit the adds that waited."""
+        cmd = self._update
+        if cmd is None or self._tracked:
+            return
+        self._update = None
+        if cmd.future.set_running_or_notify_cancel():
+            try:
+                cmd.future.set_result(cmd.fn(engine))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                cmd.future.set_exception(exc)
+        self.info = {**self.info, "weights": engine.weights.as_dict()}
+        deferred, self._deferred = self._deferred, []
+        for add in deferred:
+            self._apply(add)
+
+    def _abort_tracked(self, engine: LLMEngine, ids: list[str]) -> None:
+        """Abort these requests on purpose: each gets its final output (a non-streamed one
+        what it produced so far, marked ``abort``), unlike a disconnect, which gets nothing."""
+        batch = []
+        for rid in ids:
+            tracked = self._tracked.pop(rid)
+            last = tracked.last if tracked.stream else engine.partial_output(rid)
+            engine.abort_request(rid)
+            batch.append(
+                (
+                    tracked.sink,
+                    rid,
+                    aborted_output(rid, tracked.prompt_ids, tracked.n, last, tracked.reasons),
+                )
+            )
+        if batch and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+        if ids and self._metrics is not None:
+            self._metrics.on_aborted(len(ids))
 
     def _step(self, engine: LLMEngine) -> None:
         try:

@@ -33,6 +33,7 @@ from .reasoning import THINK_END
 from .sse import DONE, SSE_HEADERS, error_event, sse_event
 from .state import ServerState, get_state
 from .tool_parsers import Parser, parser_for_template, tool_plan
+from .weights_routes import weights_info
 
 log = logging.getLogger("tandem.api")
 
@@ -50,8 +51,9 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "tandem",
-        "root": state.settings.model_dir,
+        "root": state.engine.info.get("weights", {}).get("path", state.settings.model_dir),
         "max_model_len": state.engine.info.get("max_model_len"),
+        "weights": weights_info(state),
     }
 
 

@@ -14,6 +14,7 @@ from .generation import api_error
 from .metrics import CONTENT_TYPE
 from .protocol import ERROR_RESPONSES, ErrorResponse, HealthResponse
 from .state import ServerState, get_state
+from .weights_routes import weights_info
 
 router = APIRouter()
 
@@ -107,6 +108,7 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
             "utilization": round(snap.kv_utilization, 6),
         },
         "gpus": 0,
+        "weights": weights_info(state),
     }
     gpus = gpu_list()
     if gpus:
@@ -184,8 +186,13 @@ async def pause(request: Request) -> dict[str, bool]:
 
 
 @router.post("/resume")
-async def resume(request: Request) -> dict[str, bool]:
-    get_state(request).engine.resume()
+async def resume(
+    request: Request,
+    steps: int | None = Query(
+        None, ge=1, description="pause again after this many engine steps (tests, debugging)"
+    ),
+) -> dict[str, bool]:
+    get_state(request).engine.resume(steps)
     return {"is_paused": False}
 
 

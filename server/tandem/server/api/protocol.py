@@ -315,6 +315,16 @@ class CompletionResponse(StrictOut):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class WeightsInfo(StrictOut):
+    """Which weights an engine runs (``engine/weights.py``)."""
+
+    path: str
+    version: int
+    weight_version: str | None = None
+    loaded_at: float
+    updating: bool = False
+
+
 class ModelCard(StrictOut):
     id: str
     object: Literal["model"] = "model"
@@ -322,6 +332,7 @@ class ModelCard(StrictOut):
     owned_by: str = "tandem"
     root: str | None = None
     max_model_len: int | None = None
+    weights: WeightsInfo | None = None
 
 
 class ModelList(StrictOut):
@@ -349,6 +360,7 @@ class HealthResponse(StrictOut):
     gpus: int = 0
     gpu_memory_used: str | None = None
     gpu_memory_total: str | None = None
+    weights: WeightsInfo | None = None
 
 
 class GenerateMetaInfo(StrictOut):
@@ -398,3 +410,22 @@ def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
 
 
 SSE_RESPONSES = ERROR_RESPONSES | streamed("text/event-stream", "server-sent events")
+
+
+class UpdateWeightsRequest(APIModel):
+    """``/update_weights``: LMDeploy's fields, and SGLang's/vLLM's ``model_path``."""
+
+    model_path: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    load_format: str | None = None  # auto (None), safetensors, gguf
+    drain: bool = True  # False: abort the requests in flight instead of letting them finish
+    abort_all_requests: bool = False  # SGLang's spelling of drain: false
+    weight_version: Annotated[str, Field(max_length=256)] | None = None  # a label to report
+    model: str | None = None  # the served model it is for (the proxy picks engines by it)
+    serialized_named_tensors: str | list[str] | dict[str, Any] | None = None  # LMDeploy's; refused
+    finished: bool = False  # LMDeploy's; the update applies at once
+
+
+class UpdateWeightsResponse(StrictOut):
+    success: bool
+    message: str
+    weights: WeightsInfo

@@ -1,6 +1,7 @@
-"""Turning what a client sent into the engine's requests: the prompt's token ids, checked
-against the model's limits, and one ``Request`` per choice, each with its own seeded
-generator and (where text is needed while it runs) an incremental detokenizer.
+"""Turning what a client sent into the engine's requests: the prompt's token ids (the
+processor owns the model's tokenizer and EOS ids), checked against the model's limits, and
+one ``Request`` per choice, each with its own seeded generator and (where text is needed
+while it runs) an incremental detokenizer.
 
 The mirror of ``output_processor``: the engine's bookkeeping sees only ``Request`` objects.
 """
@@ -14,31 +15,30 @@ from collections.abc import Callable
 
 import torch
 
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .limits import check_request
+from .models.config import ModelConfig, eos_token_ids
 from .request import Request
 from .sampling_params import SamplingParams
+from .tokenizer import load_tokenizer
 
 
 class InputProcessor:
     def __init__(
         self,
-        tokenizer: Tokenizer,
-        eos_token_ids: frozenset[int],
-        *,
-        vocab_size: int,
-        max_num_seqs: int,
+        config: EngineConfig,
+        model_config: ModelConfig,
         max_model_len: int,
-        seed: int,
         new_generator: Callable[[int], torch.Generator],
     ) -> None:
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
-        self.max_num_seqs = max_num_seqs
+        self.tokenizer: Tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(eos_token_ids(config.model, model_config, self.tokenizer))
+        self.vocab_size = model_config.vocab_size
+        self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.new_generator = new_generator
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:

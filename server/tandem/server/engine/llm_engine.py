@@ -9,17 +9,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-import torch
-
 from .compiling import CompilingGroups
 from .config import EngineConfig
 from .input_processor import InputProcessor
-from .kv_cache import KVCache
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
 from .limits import max_model_len
-from .models.config import ModelConfig, eos_token_ids
+from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
 from .request import Request, RequestStatus, TokenLogprob
@@ -30,7 +27,7 @@ from .sessions import SessionStore
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
-from .tokenizer import load_tokenizer
+from .weights import WeightsIdentity, check_compatible
 from .worker import Worker
 
 
@@ -47,21 +44,13 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.worker = Worker(config, self.model_config)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = frozenset(
-            eos_token_ids(config.model, self.model_config, self.tokenizer)
-        )
+        self.device, self.kv_cache = self.worker.runner.device, self.worker.runner.kv_cache
         num_blocks = self.worker.runner.num_blocks
         self.max_model_len = max_model_len(config, self.model_config, num_blocks)
         self.inputs = InputProcessor(
-            self.tokenizer,
-            self.eos_token_ids,
-            vocab_size=self.model_config.vocab_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            seed=config.seed,
-            new_generator=self.worker.new_generator,
+            config, self.model_config, self.max_model_len, self.worker.new_generator
         )
+        self.tokenizer, self.eos_token_ids = self.inputs.tokenizer, self.inputs.eos_token_ids
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
@@ -76,14 +65,7 @@ class LLMEngine:
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
         self.totals = Totals()
-
-    @property
-    def device(self) -> torch.device:
-        return self.worker.runner.device
-
-    @property
-    def kv_cache(self) -> KVCache:
-        return self.worker.runner.kv_cache
+        self.weights = WeightsIdentity(str(config.model))
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(
@@ -116,9 +98,7 @@ class LLMEngine:
             kv_transfer, params, session_id, len(prompt_ids)
         )
         group = self.inputs.group(request_id, prompt_ids, params, stream)
-        grammar = None if params.structured is None else self.grammars.submit(params.structured)
-        if grammar is not None and grammar.done():
-            grammar.result()  # a grammar that failed to compile is this request's 400
+        grammar = self._compiling.submit(params.structured)
         if session_id is not None:
             group[0].session_id = session_id
             self.sessions.attach(session_id, group[0])
@@ -157,10 +137,7 @@ class LLMEngine:
             if c.grammar.exception() is None:
                 self._enqueue(c.group, c.remote, c.grammar)
                 continue
-            c.group[0].error = str(c.grammar.exception())
-            for req in c.group:
-                req.status = RequestStatus.FINISHED_ABORTED
-                req.finished_time = time.monotonic()
+            c.fail()
             if c.group[0].session_id is not None:
                 self.sessions.detach(c.group[0].session_id, c.group[0], keep_blocks=False)
             self._report_between_steps(c.group[0].group_id)
@@ -181,14 +158,16 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def partial_output(self, request_id: str) -> RequestOutput | None:
+        """A non-streamed group's output as it stands (tokens and text so far), which an
+        abort hands back as its answer; None if the id is unknown."""
+        group = self._groups.get(request_id)
+        return None if group is None else group_output(request_id, group, self.tokenizer)
+
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return bool(
-            len(self.scheduler)
-            or self.handoff.waiting
-            or self._ready_outputs
-            or len(self._compiling)
-        )
+        pending = len(self.scheduler) + len(self.handoff.waiting) + len(self._compiling)
+        return bool(pending or self._ready_outputs)
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -276,9 +255,7 @@ class LLMEngine:
             raise EngineBusyError(
                 f"{len(self._groups)} requests are in flight; abort them before sleeping"
             )
-        self.sessions.clear()
-        self.handoff.leases.clear()
-        self.kv.pool.reset_prefix_cache()
+        self._drop_cached_kv()
         self.worker.sleep(level)
         self._sleep_level = level
 
@@ -286,6 +263,29 @@ class LLMEngine:
         if self._sleep_level:
             self.worker.wake_up(self._sleep_level)
             self._sleep_level = 0
+
+    def update_weights(self, path: str, label: str | None = None) -> WeightsIdentity:
+        """Replace the model's weights with ``path``'s (a model directory or a GGUF file of
+        the same shapes) while nothing is in flight, then drop every KV block they computed:
+        the prefix cache, sessions and P/D leases. ``WeightsMismatchError`` (nothing changed)
+        when they do not fit, ``EngineBusyError`` while requests are in flight."""
+        if self._sleep_level:
+            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
+        if self._groups:
+            raise EngineBusyError(
+                f"{len(self._groups)} requests are in flight; drain or abort them first"
+            )
+        check_compatible(self.model_config, path)
+        self.worker.load_weights(path)
+        self._drop_cached_kv()
+        self.weights = self.weights.updated(str(path), label)
+        return self.weights
+
+    def _drop_cached_kv(self) -> None:
+        """Sessions, P/D leases and the prefix cache: every block no request holds."""
+        self.sessions.clear()
+        self.handoff.leases.clear()
+        self.kv.pool.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import gguf_loader
 from .models import family_of
-from .models.config import DTYPES, ModelConfig, ModelLoadError
+from .models.config import DTYPES, ModelConfig, ModelLoadError, WeightsMismatchError
 from .models.layers import PackedLinear, RowParallelLinear
 from .parallel import SINGLE, TensorParallel
 
@@ -95,6 +95,26 @@ def load_model(
     return model.eval()
 
 
+def reload_weights(
+    model: nn.Module, model_dir: str | Path, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> None:
+    """Replace ``model``'s weights with ``model_dir``'s in place, so what points at the
+    parameters (the runner, captured CUDA graphs) stays valid. The new weights are read into
+    host memory first: a checkpoint that fails to load, or whose shapes differ, leaves
+    ``model`` as it was."""
+    fresh = dict(load_model(model_dir, dtype, torch.device("cpu"), tp).named_parameters())
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name not in fresh or fresh[name].shape != param.shape:
+            got = tuple(fresh[name].shape) if name in fresh else None
+            raise WeightsMismatchError(
+                f"{model_dir}: tensor {name} is {got}, the running model's {tuple(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(fresh[name])
+
+
 def _load_tensor(
     name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
 ) -> str:
@@ -136,7 +156,7 @@ def _rank_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, name: str)
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ModelLoadError(
+        raise WeightsMismatchError(
             f"tensor {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}"
         )
     dst.copy_(src.to(dst.dtype))

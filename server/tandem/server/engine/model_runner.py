@@ -35,7 +35,7 @@ from .block_pool import NULL_BLOCK
 from .config import ConfigError, EngineConfig
 from .kv_cache import KVCache
 from .limits import max_model_len
-from .loader import load_model, resolve_dtype
+from .loader import load_model, reload_weights, resolve_dtype
 from .models.config import ModelConfig
 from .parallel import SINGLE, TensorParallel
 
@@ -162,6 +162,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, device)
         num_qo_heads = tp.divide(model_config.num_attention_heads, "num_attention_heads")
         num_kv_heads = tp.divide(model_config.num_key_value_heads, "num_key_value_heads")
+        self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
         self.model = load_model(config.model, self.dtype, device, tp)
         self.num_blocks = self._agree(self._num_kv_blocks())
         self.kv_cache = KVCache(
@@ -223,9 +224,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def load_weights(self, path: str) -> None:
+        """Swap in ``path``'s weights (same shapes; see ``loader.reload_weights``)."""
+        reload_weights(self.model, path, self.dtype, self.tp)
+        self.weights_path = path
+
     def wake_up(self, level: int) -> None:
         if level == 2:
-            self.model = load_model(self.config.model, self.dtype, self.device, self.tp)
+            self.model = load_model(self.weights_path, self.dtype, self.device, self.tp)
         elif self.device.type == "cuda":
             self.model.to(self.device)
         self.kv_cache.restore()

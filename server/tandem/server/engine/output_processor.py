@@ -34,12 +34,10 @@ def group_output(group_id: str, group: list[Request], tokenizer: Tokenizer) -> R
 def _completion(req: Request, tokenizer: Tokenizer) -> CompletionOutput:
     if req.detokenizer is not None:
         text = req.detokenizer.text[: _text_end(req)]
-    elif req.status.finished:
+    else:  # finished, or reported before its end (an n > 1 sibling's finish, an abort)
         text = tokenizer.decode(
             req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
         )
-    else:
-        text = ""
     return CompletionOutput(
         index=req.index,
         text=text,

@@ -62,6 +62,12 @@ class Worker:
             self._ranks.send(("sleep", level))
         self.runner.sleep(level)
 
+    def load_weights(self, path: str) -> None:
+        """Rank 0 first, so a checkpoint that fails leaves every rank on the old weights."""
+        self.runner.load_weights(path)
+        if self._ranks is not None:
+            self._ranks.send(("load_weights", path))
+
     def wake_up(self, level: int) -> None:
         if self._ranks is not None:
             self._ranks.send(("wake_up", level))

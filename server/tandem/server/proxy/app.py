@@ -44,6 +44,7 @@ from tandem.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SessionId,
+    UpdateWeightsRequest,
 )
 
 from .pd_flow import PATHS, FlowConfig, PDFlow
@@ -257,6 +258,37 @@ def _add_openai_routes(app: FastAPI) -> None:
         if refused is not None:
             return JSONResponse(refused.json(), status_code=refused.status_code)
         return JSONResponse({"aborted": sum(int(r.json().get("aborted", 0)) for r in answers)})
+
+    @app.post("/update_weights", responses=ERROR_RESPONSES)
+    async def update_weights(_: UpdateWeightsRequest, request: Request) -> JSONResponse:
+        """Every healthy engine serving ``model`` (every engine without one) loads the weights,
+        all at once, each by its own policy for requests in flight; the answer lists each
+        engine's. If any engine refused, the first refusal is the answer (its status and
+        error), with the list beside it."""
+        state = get_state(request)
+        body = _json_body(request)
+        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(body.get("model"))]
+        if not urls:
+            raise APIError(503, "no healthy engine serves this model", code="no_engines")
+        headers = {**state.flow.headers, **request_id_header(request)}
+
+        async def one(url: str) -> dict[str, Any]:
+            try:  # loading and draining take as long as they take
+                r = await state.client.post(
+                    url + "/update_weights",
+                    json=body,
+                    headers=headers,
+                    timeout=httpx.Timeout(None, connect=10.0),
+                )
+                return {"url": url, "status": r.status_code, "body": r.json()}
+            except (httpx.HTTPError, ValueError) as exc:
+                return {"url": url, "status": 502, "body": {"error": f"{type(exc).__name__}"}}
+
+        results = list(await asyncio.gather(*(one(u) for u in urls)))
+        refused = next((r for r in results if r["status"] >= 400), None)
+        if refused is not None:
+            return JSONResponse({**refused["body"], "results": results}, refused["status"])
+        return JSONResponse({"success": True, "results": results})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict[str, Any]:

@@ -21,6 +21,11 @@ class ModelLoadError(ValueError):
     architecture or format. The message names what; the CLIs print it instead of a traceback."""
 
 
+class WeightsMismatchError(ModelLoadError):
+    """Weights that cannot replace the running ones: another architecture, config or tensor
+    shape (``/update_weights`` answers 409)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str

@@ -2,10 +2,10 @@
 
 Rank 0 is the engine's own process (its ``Worker``). Ranks 1..N-1 are spawned processes
 (``spawn``, never ``fork``: CUDA and threads do not survive a fork) that build their
-``ModelRunner`` and then loop: receive a message from rank 0, act on it. Messages are Python objects
-broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
-``("wake_up", level)``, ``("stop",)``); the model's all-reduces go over the device group
-(NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
+``ModelRunner`` and then loop: receive a message from rank 0, act on it. Messages are Python
+objects broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
+``("wake_up", level)``, ``("load_weights", path)``, ``("stop",)``); the model's all-reduces
+go over the device group (NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
 
 Cleanup is the launcher's job, whatever happens: ``close`` stops the ranks, joins them, kills
 what does not exit, and destroys the process group; it also runs when the ``Worker`` is
@@ -258,6 +258,8 @@ def rank_main(
                 runner.sleep(msg[1])
             elif kind == "wake_up":
                 runner.wake_up(msg[1])
+            elif kind == "load_weights":
+                runner.load_weights(msg[1])
             elif kind == "stop":
                 break
             else:

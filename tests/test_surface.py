@@ -240,8 +240,8 @@ def test_huge_body_is_refused_while_health_answers(stack, tmp_path) -> None:
 
 def test_abort_at_the_proxy_reaches_the_engine(stack) -> None:
     both, aggregated, _ = stack
-    with held(both):
-        with httpx.Client(timeout=60) as c:
+    with httpx.Client(timeout=60) as c:  # open until the answer is read, after the hold ends
+        with held(both):
             result: dict = {}
 
             def run() -> None:
@@ -264,7 +264,7 @@ def test_abort_at_the_proxy_reaches_the_engine(stack) -> None:
                 return a.json()["aborted"] == 1
 
             wait_until(aborted, what="the proxy's abort reached the engine")
-    t.join()
+        t.join()
     assert result["r"].json()["meta_info"]["finish_reason"] == {"type": "abort"}
 
 

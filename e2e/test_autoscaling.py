@@ -10,6 +10,7 @@ real proxy's ``/metrics`` instead of a Prometheus query, and scales as KEDA woul
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -18,16 +19,40 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 
 from e2e import test_operator as base
 from e2e.cluster import Cluster, wait_for
 from e2e.cluster.paths import THIRD_PARTY_CRDS, crd_dir, missing_crds
-from e2e.test_operator import RELEASE, RELEASE_NS, Operator, _apply, _condition, _get, _isvc
+from e2e.pools import PlannerPools, PoolSpec
+from e2e.test_operator import (
+    RELEASE,
+    RELEASE_NS,
+    ROOT,
+    Operator,
+    _apply,
+    _condition,
+    _get,
+    _isvc,
+    running_operator,
+)
+from tandem.operator.planner import EngineProfile, PlannerState, PoolState
+from tandem.operator.planning import PROFILE_KEY, config_for, decide, queries
 from tests.test_proxy_helpers import PROXY_KEY, ProxyProcess, metric_value
 
 pytestmark = pytest.mark.usefixtures("third_party_crds")
-chart = base.chart  # the chart installed with helm, and the operator under its RBAC
-operator = base.operator
+chart = base.chart  # the chart installed with helm
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    """The operator under the chart's RBAC, its planner loop off: the planner test drives
+    the same round itself, in its own time."""
+    yield from running_operator(
+        Operator(cluster, tmp_path_factory.mktemp("operator"), "--no-planner")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -179,3 +204,51 @@ def test_scaled_object_pool_scales_from_zero_when_requests_reach_the_proxy(
     # the operator's next apply leaves the autoscaler's replicas alone
     cluster.kubectl("annotate", "tisvc", name, "-n", namespace, "touch=1")
     assert _get(cluster, "deployment", f"{name}-decode", namespace)["spec"]["replicas"] == 1
+
+
+def _samples(rate: float, isl: float = 1500, osl: float = 300) -> dict[str, float | None]:
+    """What Prometheus would answer the planner at a steady ``rate``."""
+    return {
+        "rate": rate,
+        "prompt_tokens": rate * isl,
+        "output_tokens": rate * osl,
+        "finished": rate,
+        "backlog": 0.0,
+        "trend": 0.0,
+        "decode_backlog": 0.0,
+        "ttft": None,
+        "itl": None,
+    }
+
+
+def test_a_trace_through_the_planner_resizes_both_pools_on_the_cluster(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """Four planning rounds at given times and loads (no wall clock in the planner): the
+    operator's round patches the scale, the Deployments' pods come and go on kwok nodes."""
+    cm = next(yaml.safe_load_all((ROOT / "examples/slo-planner.yaml").read_text()))
+    profile = EngineProfile.from_dict(json.loads(cm["data"][PROFILE_KEY]))
+    pools = PlannerPools(cluster, namespace, "planned", PoolSpec(600, 25, profile, 5, 4))
+    try:
+        pools.wait_for_pools()
+        assert pools.ready() == (1, 1)  # a fresh Deployment's one replica
+        cfg = config_for(pools.isvc, profile)
+        expected = PlannerState(PoolState(1), PoolState(1))
+        seen = []
+        # quiet, a surge, the surge gone (the window still holds it), a window later
+        for now, rate in ((0.0, 1.0), (15.0, 12.0), (30.0, 0.5), (400.0, 0.5)):
+            decision = pools.round(now, _samples(rate))
+            want = decide(expected, now, _samples(rate), cfg, (0, 0))
+            expected = want.state
+            assert (decision.prefill, decision.decode) == (want.prefill, want.decode)
+            assert pools.desired() == (want.prefill, want.decode)
+            seen.append(pools.settle())
+            assert seen[-1] == (want.prefill, want.decode), pools.desired()
+        quiet, surge, held, later = seen
+        assert surge[0] > quiet[0] and surge[1] > quiet[1]  # both pools grew, P:D by the SLO
+        assert held == surge  # scale-down waits for the stabilisation window
+        assert later == (1, 1) and later != surge
+        # every query the planner needs was asked, by these rounds only (--no-planner)
+        assert sorted(pools.source.asked) == sorted(4 * list(queries(namespace, "planned")))
+    finally:
+        pools.stop()

@@ -151,8 +151,9 @@ def chart(cluster: Cluster) -> Iterator[None]:
 class Operator:
     """``tandem operator`` as a subprocess under the chart's ServiceAccount."""
 
-    def __init__(self, cluster: Cluster, workdir: Path) -> None:
+    def __init__(self, cluster: Cluster, workdir: Path, *extra: str) -> None:
         self.cluster = cluster
+        self.extra = extra
         self.log = workdir / "operator.log"
         self.kubeconfig = workdir / "operator.kubeconfig"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -205,6 +206,7 @@ class Operator:
                     "--image",
                     "tandem:e2e",
                     "--gang-scheduling",  # the harness enables Kubernetes' PodGroup API
+                    *self.extra,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -241,7 +243,11 @@ class Operator:
 def operator(
     cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    op = Operator(cluster, tmp_path_factory.mktemp("operator"))
+    yield from running_operator(Operator(cluster, tmp_path_factory.mktemp("operator")))
+
+
+def running_operator(op: Operator) -> Iterator[Operator]:
+    """Start ``op`` under the chart's ServiceAccount; stop it (and show its log) after."""
     op.write_kubeconfig()
     op.start()
     try:

@@ -11,6 +11,7 @@ from tandem.operator.planner import (
     Bounds,
     Correction,
     EngineProfile,
+    Headroom,
     Load,
     PlannerConfig,
     PlannerState,
@@ -102,10 +103,77 @@ def test_no_load_needs_no_replicas_and_any_load_at_least_one() -> None:
 
 def test_prefill_backlog_counts_as_rate_to_drain() -> None:
     calm = recommend(Load(10.0, 1000, 200), PROFILE, SLO)
-    burst = recommend(Load(10.0, 1000, 200, prefill_backlog=600), PROFILE, SLO, drain_s=60)
+    burst = recommend(
+        Load(10.0, 1000, 200, prefill_backlog=600), PROFILE, SLO, headroom=Headroom(drain_s=60)
+    )
     same_rate = recommend(Load(20.0, 1000, 200), PROFILE, SLO)
     assert burst.prefill == same_rate.prefill > calm.prefill
     assert burst.decode == calm.decode
+
+
+def test_decode_backlog_counts_as_rate_to_drain() -> None:
+    calm = recommend(Load(40.0, 1000, 200), PROFILE, SLO)
+    backlog = recommend(
+        Load(40.0, 1000, 200, decode_backlog=1200), PROFILE, SLO, headroom=Headroom(drain_s=60)
+    )
+    same_rate = recommend(Load(60.0, 1000, 200), PROFILE, SLO)
+    assert backlog.decode == same_rate.decode > calm.decode
+    assert backlog.prefill == calm.prefill
+
+
+def _limits(load: Load) -> tuple[float, float]:
+    """Requests/s one prefill replica takes, and tokens/s one decode replica makes, at the
+    SLO limit: the median prompt's TTFT and the largest batch's step meet the targets."""
+    service = load.isl / 10_000
+    rho = prefill_utilisation(service, SLO.ttft_s, 0.5, load.isl_cv**2)
+    b_star = decode_batch_limit(PROFILE, SLO.itl_s, load.isl, load.osl, 1.0)
+    return rho / service, b_star / (0.0101 + 0.0001 * (b_star - 1))
+
+
+def test_surge_sizes_the_running_pools_to_carry_a_step_at_the_slo_limit() -> None:
+    load = Load(40.0, 1000, 200)
+    plain = recommend(load, PROFILE, SLO)
+    rec = recommend(load, PROFILE, SLO, headroom=Headroom(lead_s=60, surge=1.0))
+    per_prefill, per_decode = _limits(load)
+    # the limit is looser than the target: a surge costs a replica of each pool here, not 2x
+    assert per_prefill > plain.prefill_rate_per_replica
+    assert per_decode > plain.decode_tokens_per_replica
+    assert rec.prefill == max(plain.prefill, math.ceil(80.0 / per_prefill))
+    assert rec.decode == max(plain.decode, math.ceil(80.0 * 200 / per_decode))
+    assert rec.decode > plain.decode
+    # what the pools hold at the limit covers the doubled load
+    assert rec.decode * per_decode >= 80.0 * 200 and rec.prefill * per_prefill >= 80.0
+    # and no more than the doubled load needs at the target
+    doubled = recommend(Load(80.0, 1000, 200), PROFILE, SLO)
+    assert (rec.prefill, rec.decode) <= (doubled.prefill, doubled.decode)
+
+
+def test_a_rising_trend_is_planned_for_one_start_up_ahead() -> None:
+    ramp = Load(40.0, 1000, 200, rate_trend=0.5)  # +30 req/s within the 60 s lead
+    rec = recommend(ramp, PROFILE, SLO, headroom=Headroom(lead_s=60, surge=0.1))
+    per_prefill, per_decode = _limits(ramp)
+    assert rec.decode == math.ceil(70.0 * 200 / per_decode)
+    assert rec.prefill == max(recommend(ramp, PROFILE, SLO).prefill, math.ceil(70.0 / per_prefill))
+    # a falling trend plans nothing ahead: the surge allowance alone
+    falling = recommend(
+        Load(40.0, 1000, 200, rate_trend=-0.5), PROFILE, SLO, Correction(), Headroom(60, 0.1)
+    )
+    assert falling.decode == max(
+        recommend(Load(40.0, 1000, 200), PROFILE, SLO).decode, math.ceil(44.0 * 200 / per_decode)
+    )
+
+
+def test_step_plans_ahead_by_the_profiles_start_up() -> None:
+    slow_start = EngineProfile(**{**PROFILE.__dict__, "startup_s": 285.0})
+    b = Bounds(1, 100)
+    cfg = PlannerConfig(SLO, slow_start, b, b, surge=0.0)
+    assert cfg.headroom() == Headroom(lead_s=300.0, surge=0.0)
+    ramp = Load(40.0, 1000, 200, rate_trend=0.1)  # +30 req/s within 300 s
+    state, _ = step(PlannerState(PoolState(1), PoolState(1)), 0.0, ramp, cfg)
+    ahead = recommend(Load(70.0, 1000, 200), PROFILE, SLO)
+    per_decode = _limits(ramp)[1]
+    assert state.decode.replicas == math.ceil(70.0 * 200 / per_decode) <= ahead.decode
+    assert EngineProfile.from_dict(slow_start.to_dict()) == slow_start
 
 
 def test_infeasible_slo_is_flagged() -> None:
@@ -170,10 +238,13 @@ def test_load_from_metrics_and_one_planning_round() -> None:
     }
     load = load_from_samples(samples)
     assert (load.rate, load.isl, load.osl) == (20.0, 1000.0, 200.0)
+    assert load_from_samples({**samples, "trend": 0.2, "decode_backlog": 7.0}) == Load(
+        20.0, 1000.0, 200.0, rate_trend=0.2, decode_backlog=7.0
+    )
     b = Bounds(1, 50)
     cfg = PlannerConfig(SLO, PROFILE, b, b)
     d = decide(None, 0.0, samples, cfg, current=(1, 1))
-    rec = recommend(load, PROFILE, SLO)
+    rec = recommend(load, PROFILE, SLO, headroom=cfg.headroom())
     assert (d.prefill, d.decode) == (rec.prefill, rec.decode)
     # engines measured twice as slow as the profile on decode: more decode replicas
     slow = decide(None, 0.0, {**samples, "itl": 1.0}, cfg, current=(1, 1))

@@ -3,15 +3,17 @@ on loopback, starting several processes at once, and waiting on engine and proxy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from .api_helpers import ChildProcess, ServerProcess, free_port
 
@@ -117,6 +119,51 @@ def stop_all(procs: list[Any]) -> None:
             p.stop(timeout=20)
         except Exception:  # noqa: BLE001
             p.proc.kill()
+
+
+@contextlib.contextmanager
+def engine_and_proxies(
+    model_dir: str, logs: Path, *flags: str, both_flags: tuple[str, ...] = ()
+) -> Iterator[tuple[ServerProcess, ProxyProcess, ProxyProcess]]:
+    """A ``both`` engine (``flags`` + ``both_flags``) and a prefill engine (``flags``); yields
+    the engine, a proxy over it alone (aggregated) and one over both engines (P/D always)."""
+    both = ServerProcess(model_dir, *flags, *both_flags, log_path=logs / "both.log")
+    prefill = ServerProcess(model_dir, *flags, "--role", "prefill", log_path=logs / "prefill.log")
+    aggregated = ProxyProcess("--node", both.url, log_path=logs / "proxy-agg.log")
+    pd = ProxyProcess(
+        "--node",
+        f"{prefill.url}=prefill",
+        "--node",
+        f"{both.url}=both",
+        "--disagg-threshold",
+        "0",
+        log_path=logs / "proxy-pd.log",
+    )
+    try:
+        both.wait_ready()
+        prefill.wait_ready()
+        aggregated.wait_healthy([both.url])
+        pd.wait_healthy([prefill.url, both.url])
+        yield both, aggregated, pd
+    finally:
+        stop_all([aggregated, pd, prefill, both])
+
+
+FRONTS = ("engine", "proxy", "proxy-pd")
+
+
+def front_of(
+    stack: tuple[ServerProcess, ProxyProcess, ProxyProcess], which: str
+) -> tuple[str, dict[str, str]]:
+    """The URL and auth headers of ``engine_and_proxies``' engine, or of one of its proxies."""
+    both, aggregated, pd = stack
+    target = {"engine": both, "proxy": aggregated, "proxy-pd": pd}[which]
+    return target.url, target.headers
+
+
+def openai_client(url: str, headers: dict[str, str]) -> openai.OpenAI:
+    key = headers.get("Authorization", "Bearer none").split()[-1]
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
 
 
 def wait_free(server: ServerProcess, timeout: float = 30.0) -> dict:

@@ -17,8 +17,8 @@ import ollama
 import openai
 import pytest
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess, held, wait_until
-from .test_proxy_helpers import ProxyProcess, stop_all
+from .api_helpers import ENGINE_FLAGS, held, wait_until
+from .test_proxy_helpers import FRONTS, engine_and_proxies, front_of, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,47 +28,14 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("surface")
-    both = ServerProcess(
-        str(llama_dir),
-        *ENGINE_FLAGS,
-        "--allowed-origins",
-        "http://ui.example",
-        log_path=logs / "both.log",
-    )
-    prefill = ServerProcess(
-        str(llama_dir), *ENGINE_FLAGS, "--role", "prefill", log_path=logs / "prefill.log"
-    )
-    aggregated = ProxyProcess("--node", both.url, log_path=logs / "proxy-agg.log")
-    pd = ProxyProcess(
-        "--node",
-        f"{prefill.url}=prefill",
-        "--node",
-        f"{both.url}=both",
-        "--disagg-threshold",
-        "0",
-        log_path=logs / "proxy-pd.log",
-    )
-    try:
-        both.wait_ready()
-        prefill.wait_ready()
-        aggregated.wait_healthy([both.url])
-        pd.wait_healthy([prefill.url, both.url])
-        yield both, aggregated, pd
-    finally:
-        stop_all([aggregated, pd, prefill, both])
+    origins = ("--allowed-origins", "http://ui.example")
+    with engine_and_proxies(str(llama_dir), logs, *ENGINE_FLAGS, both_flags=origins) as stack:
+        yield stack
 
 
-@pytest.fixture(params=["engine", "proxy", "proxy-pd"])
+@pytest.fixture(params=FRONTS)
 def front(request, stack):
-    """The URL and auth headers of the engine, or of one of the proxies in front of it."""
-    both, aggregated, pd = stack
-    target = {"engine": both, "proxy": aggregated, "proxy-pd": pd}[request.param]
-    return target.url, target.headers
-
-
-def _openai(url: str, headers: dict[str, str]) -> openai.OpenAI:
-    key = headers.get("Authorization", "Bearer none").split()[-1]
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    return front_of(stack, request.param)
 
 
 def test_tokenize_detokenize_and_models_retrieve(front) -> None:
@@ -90,7 +57,7 @@ def test_tokenize_detokenize_and_models_retrieve(front) -> None:
     bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]}, headers=headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
-    client = _openai(url, headers)
+    client = openai_client(url, headers)
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
@@ -240,7 +207,7 @@ def test_huge_body_is_refused_while_health_answers(stack, tmp_path) -> None:
 
 def test_abort_at_the_proxy_reaches_the_engine(stack) -> None:
     both, aggregated, _ = stack
-    with httpx.Client(timeout=60) as c:  # open until the answer is read, after the hold ends
+    with httpx.Client(timeout=60) as c:  # open until the request's thread has its answer
         with held(both):
             result: dict = {}
 

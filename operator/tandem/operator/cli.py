@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-apply every InferenceService's children this often (level-based healing)",
     )
     parser.add_argument(
+        "--planner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the Planner backend's loop every 15 s (--no-planner: leave it to a driver "
+        "such as bench/autoscale.py --cluster)",
+    )
+    parser.add_argument(
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint ('' disables)",
@@ -104,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             resync_seconds=args.resync_seconds,
             peering=args.peering,
             namespaces=tuple(namespaces),
+            planner=args.planner,
         )
     )
     kopf.run(

@@ -84,6 +84,9 @@ class OperatorOptions:
     """kopf peering object for leader election among replicas; None runs standalone."""
     namespaces: tuple[str, ...] = ()
     """Watched namespaces; empty is cluster-wide (and a ClusterKopfPeering)."""
+    planner: bool = True
+    """Run the Planner backend's loop; off when something else drives
+    :func:`~.planning.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
 
 
 Key = tuple[str, str]
@@ -517,6 +520,8 @@ async def resync(
 async def plan_pools(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """The Planner backend: size prefill and decode for spec.slo from live metrics."""
     state: OperatorState = memo.state
+    if not state.options.planner:
+        return
     key = (namespace, name)
     try:
         decision = await asyncio.to_thread(

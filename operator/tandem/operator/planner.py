@@ -18,6 +18,11 @@ pool is sized against the SLO term it controls.
   attainment). Each replica then generates ``m / step(m, c)`` tokens/s, and the pool needs
   ``rate * osl`` of them.
 
+A replica asked for now serves only after the engine's start-up, so each pool is also sized
+for the load one start-up ahead (the rate's rising trend, or a ``surge`` allowance for a step
+no trend announces) at the SLO *limit* (:class:`Headroom`, :func:`recommend`): a pool past its
+limit misses nearly every request, not the tail.
+
 Live measurements correct the profile (:func:`correction`): the ratio of measured to
 predicted latency scales the profile's times, as Dynamo's planner does.
 
@@ -65,6 +70,9 @@ class EngineProfile:
     kv_cache_tokens: int
     max_num_seqs: int
     source: str = ""
+    startup_s: float = 60.0
+    """Seconds from a replica's creation to its first served request (scheduling, image,
+    model load): how far ahead of the load the planner must ask for one."""
 
     def prefill_seconds(self, isl: float) -> float:
         # throughput past the measured lengths is held, not extrapolated: a falling slope
@@ -88,6 +96,7 @@ class EngineProfile:
             "kvCacheTokens": self.kv_cache_tokens,
             "maxNumSeqs": self.max_num_seqs,
             "source": self.source,
+            "startupSeconds": self.startup_s,
         }
 
     @classmethod
@@ -101,6 +110,7 @@ class EngineProfile:
             kv_cache_tokens=int(d["kvCacheTokens"]),
             max_num_seqs=int(d["maxNumSeqs"]),
             source=str(d.get("source", "")),
+            startup_s=float(d.get("startupSeconds", 60.0)),
         )
 
 
@@ -127,6 +137,10 @@ class Load:
     """Coefficient of variation of the prompt lengths (0: all equal)."""
     prefill_backlog: float = 0.0
     """Prompts waiting in the prefill engines' queues now (their ``num_requests_waiting``)."""
+    rate_trend: float = 0.0
+    """How fast ``rate`` is changing, requests/s per second (its derivative over a window)."""
+    decode_backlog: float = 0.0
+    """Sequences waiting for a decode batch slot now (the decode engines' waiting requests)."""
 
     def scaled(self, factor: float) -> Load:
         return replace(self, rate=self.rate * factor)
@@ -212,22 +226,51 @@ def decode_batch_limit(profile: EngineProfile, itl_s: float, isl: float, osl: fl
     return best
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """What the pools hold beyond the load measured now, because a replica asked for now
+    serves only ``lead_s`` later: until then the running pools carry whatever arrives."""
+
+    lead_s: float = 0.0
+    """Start-up of a replica plus one control interval: the planner's blind time."""
+    surge: float = 0.0
+    """Relative rise of the request rate, within ``lead_s``, that the running pools absorb at
+    the SLO limit (the median request still meets it). 1.0: the load may double."""
+    drain_s: float = 60.0
+    """A backlog counts as extra rate that clears it within this time."""
+
+
+MEDIAN = 0.5  # the miss rate at the SLO limit: the typical request just meets the target
+
+
 def recommend(
     load: Load,
     profile: EngineProfile,
     slo: SloTarget,
     corr: Correction = Correction(),
-    drain_s: float = 60.0,
+    headroom: Headroom = Headroom(),
 ) -> Recommendation:
     """Replicas of each pool that meet ``slo`` at ``load``; 0 for a pool with no load.
 
-    A prefill backlog (a burst that outran the pool) counts as extra rate that clears it
-    within ``drain_s``: the arrival rate alone would size a pool that never catches up.
+    Each pool gets the larger of two sizes:
+
+    * the **target**: the SLO's attainment at the measured rate, plus each pool's backlog
+      drained within ``drain_s`` (the arrival rate alone would size a pool that never
+      catches up);
+    * the **surge**: the SLO *limit* (the largest utilisation or batch at which the median
+      request still meets it) at the rate plus the rise the pools must carry before a replica
+      asked for now serves, ``lead_s`` later: the larger of the rising trend's
+      (``rate_trend * lead_s``, a ramp) and ``surge * rate`` (a step, which no trend announces).
+      A pool under its surge size would make *every* request miss through a start-up (a
+      decode batch past its limit slows all its sequences), so this is the size below which a
+      reactive planner cannot keep its promise.
     """
     miss = 1.0 - slo.attainment
     service = profile.prefill_seconds(load.isl) * corr.prefill
-    rho = prefill_utilisation(service, slo.ttft_s, miss, load.isl_cv**2)
+    cs2 = load.isl_cv**2
+    rho = prefill_utilisation(service, slo.ttft_s, miss, cs2)
     per_prefill = rho / service if service > 0 else math.inf
+    limit_prefill = prefill_utilisation(service, slo.ttft_s, MEDIAN, cs2) / service
     ctx = load.isl + load.osl / 2
     b_star = decode_batch_limit(profile, slo.itl_s, load.isl, load.osl, corr.decode)
     z = NormalDist().inv_cdf(slo.attainment)
@@ -235,21 +278,39 @@ def recommend(
     m = ((-z + math.sqrt(z * z + 4 * b_star)) / 2) ** 2 if b_star > 0 else 0.0
     m = max(m, 1.0) if b_star > 0 else 0.0
     per_decode = m / (profile.step_seconds(m, ctx) * corr.decode) if m > 0 else 0.0
+    limit_decode = b_star / (profile.step_seconds(b_star, ctx) * corr.decode) if m > 0 else 0.0
     feasible = rho > 0 and b_star > 0
-    if load.rate <= 0 and load.prefill_backlog <= 0:
+    if load.rate <= 0 and load.prefill_backlog <= 0 and load.decode_backlog <= 0:
         return Recommendation(0, 0, per_prefill, per_decode, m, feasible)
-    prefill_rate = load.rate + load.prefill_backlog / drain_s
-    prefill = math.ceil(prefill_rate / per_prefill - 1e-9) if per_prefill > 0 else math.inf
-    decode = math.ceil(load.rate * load.osl / per_decode - 1e-9) if per_decode > 0 else math.inf
-    huge = 1 << 30  # infeasible: as many as the bounds allow
+    rate = load.rate
+    # the rise the pools running now must carry until a replica asked for now serves: the
+    # trend's (a ramp) or the surge allowance (a step, which no trend announces)
+    rise = max(max(0.0, load.rate_trend) * headroom.lead_s, rate * headroom.surge)
+    surge = rate + rise if rise > 0 else 0.0
+    prefill = max(
+        _replicas(rate + load.prefill_backlog / headroom.drain_s, per_prefill),
+        _replicas(surge, limit_prefill),
+    )
+    decode_rate = rate + load.decode_backlog / headroom.drain_s
+    decode = max(
+        _replicas(decode_rate * load.osl, per_decode), _replicas(surge * load.osl, limit_decode)
+    )
     return Recommendation(
-        prefill=max(1, prefill if prefill != math.inf else huge),
-        decode=max(1, decode if decode != math.inf else huge),
+        prefill=max(1, prefill),
+        decode=max(1, decode),
         prefill_rate_per_replica=per_prefill,
         decode_tokens_per_replica=per_decode,
         decode_batch=m,
         feasible=feasible,
     )
+
+
+def _replicas(demand: float, per_replica: float) -> int:
+    """Replicas that each take ``per_replica`` of ``demand``; when one takes nothing (an
+    infeasible SLO), as many as the bounds allow."""
+    if demand <= 0:
+        return 0
+    return math.ceil(demand / per_replica - 1e-9) if per_replica > 0 else 1 << 30
 
 
 @dataclass(frozen=True)
@@ -313,14 +374,23 @@ class PlannerConfig:
     prefill_bounds: Bounds
     decode_bounds: Bounds
     stabilization: Stabilization = Stabilization()
+    interval_s: float = 15.0
+    """The control interval: a load change is seen up to this late."""
+    surge: float = 0.75
+    """:attr:`Headroom.surge`: the rate rise the running pools absorb during a start-up."""
+
+    def headroom(self) -> Headroom:
+        return Headroom(lead_s=self.profile.startup_s + self.interval_s, surge=self.surge)
 
 
 def step(
     state: PlannerState, now: float, load: Load, cfg: PlannerConfig, corr: Correction = Correction()
 ) -> tuple[PlannerState, Recommendation]:
     """One planning round: the replicas both pools should run now, and the raw recommendation."""
-    rec = recommend(load, cfg.profile, cfg.slo, corr)
-    margin = recommend(load.scaled(1.0 + cfg.stabilization.down_margin), cfg.profile, cfg.slo, corr)
+    rec = recommend(load, cfg.profile, cfg.slo, corr, cfg.headroom())
+    margin = recommend(
+        load.scaled(1.0 + cfg.stabilization.down_margin), cfg.profile, cfg.slo, corr, cfg.headroom()
+    )
     return (
         PlannerState(
             prefill=stabilize(

@@ -46,7 +46,10 @@ def queries(namespace: str, instance: str) -> dict[str, str]:
         "prompt_tokens": f"sum(rate(tandem:prompt_tokens_total{{{pre}}}[{WINDOW}]))",
         "output_tokens": f"sum(rate(tandem:generation_tokens_total{{{dec}}}[{WINDOW}]))",
         "finished": f"sum(rate(tandem:request_success_total{{{dec}}}[{WINDOW}]))",
+        # the request rate's derivative over the last 5 minutes (a ramp to plan ahead for)
+        "trend": (f"deriv(sum(rate(tandem_proxy_requests_total{{{sel}}}[{WINDOW}]))[5m:15s])"),
         "backlog": f"sum(tandem:num_requests_waiting{{{pre}}})",
+        "decode_backlog": f"sum(tandem:num_requests_waiting{{{dec}}})",
         # measured latency, to correct the profile
         "ttft": (
             f"sum(rate(tandem:time_to_first_token_seconds_sum{{{pre}}}[{WINDOW}])) / "
@@ -73,6 +76,8 @@ def load_from_samples(samples: dict[str, float | None]) -> Load:
         isl=prompt / rate if rate > 0 and prompt > 0 else 1.0,
         osl=output / finished if finished > 0 and output > 0 else 1.0,
         prefill_backlog=get("backlog"),
+        rate_trend=get("trend"),
+        decode_backlog=get("decode_backlog"),
     )
 
 
@@ -108,6 +113,7 @@ def config_for(isvc: InferenceService, profile: EngineProfile) -> PlannerConfig:
         profile=profile,
         prefill_bounds=Bounds(pa.min_replicas, pa.max_replicas),
         decode_bounds=Bounds(da.min_replicas, da.max_replicas),
+        surge=spec.slo.surge,
     )
 
 

@@ -195,6 +195,10 @@ class EngineSpec(_Model):
         None,
         description="When a decode engine cannot pull the KV cache: fail the request, or recompute the prefill",
     )
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None,
+        description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More 'tandem serve' flags, appended as given"
     )
@@ -285,6 +289,14 @@ class SloSpec(_Model):
     )
     attainment: float = Field(
         0.99, ge=0.5, lt=1, description="Fraction of requests that must meet both targets"
+    )
+    surge: float = Field(
+        0.75,
+        ge=0,
+        le=10,
+        description="Rise of the request rate, relative to the current rate, that the running "
+        "pools absorb at the SLO limit while a new replica starts (0.75: the load may grow by "
+        "three quarters within one engine start-up)",
     )
     profile_config_map: str = Field(
         ...,

@@ -15,6 +15,7 @@ from tandem.server.engine import LLMEngine
 
 from . import (
     distserve_routes,
+    embedding_routes,
     native_routes,
     ollama,
     openai_routes,
@@ -114,6 +115,7 @@ def build_app(
     app.include_router(native_routes.router, tags=["native"])
     app.include_router(ollama.router, tags=["ollama"])
     app.include_router(token_routes.router, tags=["tokens"])
+    app.include_router(embedding_routes.router, tags=["embeddings"])
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
     app.include_router(weights_routes.router, tags=["ops"])

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from tandem.server.engine import CompletionOutput, LLMEngine, RequestOutput, SamplingParams
+from tandem.server.engine import (
+    CompletionOutput,
+    LLMEngine,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 from tandem.server.engine.models.config import ModelLoadError
 from tandem.server.engine.stats import EngineStats
 
@@ -91,6 +97,7 @@ class _Add:
     arrival: float
     future: concurrent.futures.Future
     kv_transfer: dict[str, Any] | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -197,6 +204,7 @@ class AsyncEngine:
         session_id: str | None = None,
         arrival: float | None = None,
         kv_transfer: dict[str, Any] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[int]:
         """Queue a request; outputs arrive on ``sink`` as ``(request_id, RequestOutput)``.
 
@@ -218,6 +226,7 @@ class AsyncEngine:
                     arrival or time.monotonic(),
                     fut,
                     kv_transfer,
+                    pooling,
                 )
             )
             return await asyncio.wrap_future(fut)
@@ -373,6 +382,8 @@ class AsyncEngine:
                     kwargs["session_id"] = cmd.session_id
                 if cmd.kv_transfer:
                     kwargs["kv_transfer"] = cmd.kv_transfer
+                if cmd.pooling is not None:
+                    kwargs["pooling"] = cmd.pooling
                 ids = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 cmd.future.set_exception(exc)

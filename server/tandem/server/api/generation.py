@@ -1,8 +1,8 @@
 """Running one API request on the engine loop: submit, follow its outputs, abort on the way out.
 
-Every route that generates (chat, completions, /generate, /api/generate) goes through
-here, so the rules are in one place: engine errors become API errors, a client that
-disconnects aborts its requests, and nothing leaves a request running unobserved.
+Every route that runs the model (chat, completions, /generate, /api/generate, embeddings)
+goes through here, so the rules are in one place: engine errors become API errors, a client
+that disconnects aborts its requests, and nothing leaves a request running unobserved.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tandem.server.engine import (
     EngineBusyError,
     EngineSleepingError,
     InvalidParamError,
+    PoolingParams,
     PromptTooLongError,
     RequestOutput,
     SamplingParams,
@@ -219,8 +220,10 @@ async def submit(
     stream: bool,
     session_id: str | None = None,
     kv_transfer: dict | None = None,
+    pooling: PoolingParams | None = None,
 ) -> Job:
-    """Add one engine request per prompt; if any is refused, abort the ones already added."""
+    """Add one engine request per prompt; if any is refused, abort the ones already added.
+    With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``)."""
     state.check_admitting()
     if kv_transfer and len(prompts) != 1:
         raise APIError(
@@ -246,6 +249,7 @@ async def submit(
                 session_id=session_id,
                 arrival=arrival,
                 kv_transfer=kv_transfer,
+                pooling=pooling,
             )
             job.request_ids.append(rid)
     except BaseException as exc:

@@ -23,6 +23,7 @@ MAX_N = 128
 MAX_LOGIT_BIAS = 1024
 MAX_TOOLS = 128
 MAX_TOKEN_IDS = 1_000_000
+MAX_INPUTS = 2048  # inputs in one embeddings request, as OpenAI's API allows
 
 Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
 Temperature = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=100.0)]
@@ -273,6 +274,33 @@ class DetokenizeRequest(APIModel):
     tokens: list[int]
 
 
+# ----- embeddings (OpenAI) and /pooling (LMDeploy, vLLM: the same request) --------------
+class EmbeddingRequest(APIModel):
+    """One vector per input from the served model's final hidden states (docs/pooling.md)."""
+
+    input: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(max_length=MAX_INPUTS)]
+    ) = Field(description="A text, texts, token ids, or lists of token ids; none empty")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="base64: little-endian float32 bytes"
+    )
+    dimensions: int | None = Field(
+        default=None,
+        description="Truncate to this many dimensions (Matryoshka models only; the hidden "
+        "size always works), then normalise",
+    )
+    normalize: bool | None = Field(default=None, description="L2-normalise (default true; vLLM's)")
+    user: str | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """LMDeploy's (and vLLM's) ``/pooling``: the embeddings request, answered as pooling data."""
+
+
 # ----- responses (documented in the OpenAPI schema; routes build them as plain dicts) -------
 class UsageInfo(StrictOut):
     prompt_tokens: int
@@ -381,6 +409,39 @@ class GenerateResponse(StrictOut):
 class EncodeResponse(StrictOut):
     input_ids: list[int] | list[list[int]]
     length: int | list[int]
+
+
+class EmbeddingUsage(StrictOut):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(StrictOut):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class VectorList(StrictOut):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    usage: EmbeddingUsage
+
+
+class EmbeddingResponse(VectorList):
+    data: list[EmbeddingData]
+
+
+class PoolingData(StrictOut):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(VectorList):
+    data: list[PoolingData]
 
 
 class ErrorDetail(StrictOut):

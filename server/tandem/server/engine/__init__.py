@@ -5,6 +5,7 @@ from .limits import PromptTooLongError
 from .llm import LLM
 from .llm_engine import EngineBusyError, EngineSleepingError, LLMEngine
 from .outputs import CompletionOutput, RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import InvalidParamError, SamplingParams
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "LLMEngine",
     "EngineConfig",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutput",
     "CompletionOutput",
     "InvalidParamError",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PoolingKind = Literal["last", "mean", "cls"]
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,9 @@ class EngineConfig:
     # Sessions are a cache: idle sessions together hold at most this fraction of the pool, and
     # give their blocks back (least recently used first) whenever a request needs them.
     session_kv_fraction: float = 0.5
+    # Embeddings and /pooling: the hidden state of the last token (a decoder LM's default, as
+    # vLLM's), the mean over the prompt, or the first token's (CLS); see pooling.py.
+    pooling: PoolingKind = "last"
 
     def __post_init__(self) -> None:
         _check(
@@ -69,6 +73,10 @@ class EngineConfig:
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"unknown dtype {self.dtype!r}",
+        )
+        _check(
+            self.pooling in get_args(PoolingKind),
+            f"pooling must be last, mean or cls, got {self.pooling!r}",
         )
 
     def replace(self, **changes: object) -> EngineConfig:

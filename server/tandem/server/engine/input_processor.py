@@ -17,10 +17,11 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, Tokenizer
-from .limits import check_request
+from .limits import check_pooled, check_request
 from .models.config import ModelConfig, eos_token_ids
+from .pooling import PoolingParams, check_dimensions
 from .request import Request
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidParamError, SamplingParams
 from .tokenizer import load_tokenizer
 
 
@@ -34,6 +35,8 @@ class InputProcessor:
     ) -> None:
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(eos_token_ids(config.model, model_config, self.tokenizer))
+        self.model_config = model_config
+        self.default_pooling = config.pooling
         self.vocab_size = model_config.vocab_size
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
@@ -65,6 +68,25 @@ class InputProcessor:
         ]
         group[0].pending_siblings = group[1:]
         return group
+
+    def pooled(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, pooling: PoolingParams
+    ) -> Request:
+        """A prefill-only request (an embedding); ``params`` only needs to be valid."""
+        check_pooled(prompt_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if (why := check_dimensions(pooling.dimensions, self.model_config)) is not None:
+            raise InvalidParamError("dimensions", why)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            max_tokens=0,
+            eos_token_ids=self.eos_token_ids,
+            arrival_order=next(self._arrival),
+            group_id=request_id,
+            arrival_time=time.monotonic(),
+            pooling=pooling.resolve(self.default_pooling),
+        )
 
     def _request(
         self,

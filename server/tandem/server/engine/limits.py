@@ -1,5 +1,6 @@
 """What a request may ask for: a prompt inside the vocabulary, room in the context for it and
-its max_tokens, no more choices than sequences can run at once."""
+its max_tokens (an embedding's input: the context itself), no more choices than sequences can
+run at once."""
 
 from __future__ import annotations
 
@@ -35,14 +36,7 @@ def check_request(
     max_model_len: int,
 ) -> int:
     """Refuse what cannot run (a 400/413 naming the field); returns the request's max_tokens."""
-    if not prompt_ids:
-        raise InvalidParamError("prompt", "the prompt is empty")
-    vocab = vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidParamError(
-            "prompt", f"token id {bad[0]} is outside the vocabulary (size {vocab})"
-        )
+    _check_ids(prompt_ids, vocab_size, "prompt")
     if params.n > max_num_seqs:
         raise InvalidParamError("n", f"n={params.n} exceeds max_num_seqs={max_num_seqs}")
     limit = max_model_len
@@ -62,3 +56,24 @@ def check_request(
             f"({len(prompt_ids)} in the prompt, {params.max_tokens} in the completion).",
         )
     return params.max_tokens
+
+
+def check_pooled(prompt_ids: list[int], *, vocab_size: int, max_model_len: int) -> None:
+    """A pooled (embedding) input generates nothing, so it may fill the whole context."""
+    _check_ids(prompt_ids, vocab_size, "input")
+    if len(prompt_ids) > max_model_len:
+        raise PromptTooLongError(
+            "input",
+            f"This model's maximum context length is {max_model_len} tokens; the input "
+            f"has {len(prompt_ids)} tokens.",
+        )
+
+
+def _check_ids(prompt_ids: list[int], vocab_size: int, param: str) -> None:
+    if not prompt_ids:
+        raise InvalidParamError(param, f"the {param} is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParamError(
+            param, f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+        )

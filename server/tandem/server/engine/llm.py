@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -50,6 +51,21 @@ class LLM:
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, prompt, p)
             ids.append(rid)
+        return self._run(ids)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """One vector per prompt (``pooling`` defaults to the engine's ``--pooling``, normalised)."""
+        pooling = pooling or PoolingParams()
+        ids = []
+        for prompt in _as_prompt_list(prompts):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, SamplingParams(), pooling=pooling)
+            ids.append(rid)
+        return [out.embedding for out in self._run(ids)]
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

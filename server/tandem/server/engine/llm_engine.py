@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import torch
+
 from .compiling import CompilingGroups
 from .config import EngineConfig
 from .input_processor import InputProcessor
@@ -19,10 +21,11 @@ from .limits import max_model_len
 from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
+from .pooling import PoolingParams, accumulate, finish, rows_read
 from .request import Request, RequestStatus, TokenLogprob
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
 from .stats import EngineStats, Totals
 from .stopping import check_stop
@@ -77,6 +80,7 @@ class LLMEngine:
         stream: bool = False,
         session_id: str | None = None,
         kv_transfer: dict | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
@@ -86,11 +90,15 @@ class LLMEngine:
         lease); a ``do_remote_prefill`` handle, a decode that pulls its prompt's K/V. With
         ``session_id`` the request continues that session: it reuses the session's KV blocks
         for the prompt prefix they hold, and leaves its own blocks there when done.
+        With ``pooling`` the request is prefill-only (an embedding): it ends when the prompt
+        is computed, its output carries the vector and its blocks go back to the pool.
         """
         if self._sleep_level:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
+        if pooling is not None:
+            return self._add_pooled(request_id, prompt, params, pooling)
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = self.inputs.prompt_ids(prompt)
@@ -110,6 +118,19 @@ class LLMEngine:
             self._enqueue(group, remote, grammar)
         self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
+
+    def _add_pooled(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        pooling: PoolingParams,
+    ) -> list[int]:
+        req = self.inputs.pooled(request_id, self.inputs.prompt_ids(prompt), params, pooling)
+        self._groups[request_id] = [req]
+        self.scheduler.add(req)
+        self.totals.prompt_tokens += req.num_prompt_tokens
+        return req.prompt_token_ids
 
     def _enqueue(
         self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
@@ -179,9 +200,9 @@ class LLMEngine:
         self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
-        logits, sampling = self.worker.execute(batch)
+        logits, hidden, sampling = self.worker.execute(batch)
         self.scheduler.update(batch)
-        report: dict[str, None] = {}
+        report = dict.fromkeys(self._pool(batch, hidden))
         if sampling:
             self.totals.generated_tokens += len(sampling)
             out = sample(logits, sampling)
@@ -190,6 +211,25 @@ class LLMEngine:
                 if req.stream or req.status.finished:
                     report[req.group_id] = None
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
+
+    def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
+        """Fold each pooled request's hidden rows (in batch order) into its state; one whose
+        prompt is now computed finishes with its vector and frees its blocks."""
+        done: list[str] = []
+        offset = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.pooling is None:
+                continue
+            kind, end = req.pooling.kind, req.num_computed_tokens  # after the update
+            count = len(rows_read(kind, end - n, end, req.num_tokens))
+            req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
+            offset += count
+            if end == req.num_tokens:
+                req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
+                req.finished_time = time.monotonic()
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                done.append(req.group_id)
+        return done
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
         """Add a sampled token; finish ``req`` if it ends it, and say whether it did."""

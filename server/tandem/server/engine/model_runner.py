@@ -1,4 +1,6 @@
-"""One tensor-parallel rank's device state and forward pass: flat inputs in, logits out.
+"""One tensor-parallel rank's device state and forward pass: flat inputs in, logits of the
+sampling rows out (and the final-norm hidden states of the rows a pooled request reads,
+without their logits).
 
 A ``ModelRunner`` holds what one rank owns: its slice of the weights, its KV heads (the cache
 is sized here, from the config and the device's free memory), its attention backend and its
@@ -24,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +40,7 @@ from .limits import max_model_len
 from .loader import load_model, reload_weights, resolve_dtype
 from .models.config import ModelConfig
 from .parallel import SINGLE, TensorParallel
+from .pooling import rows_read
 
 if TYPE_CHECKING:
     from .request import Request
@@ -61,6 +64,7 @@ class StepInputs(SeqShape):
     kv_lens: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]  # flat rows whose logits are sampled
+    hidden_rows: list[int] = field(default_factory=list)  # flat rows pooled requests read
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Request]]:
@@ -69,9 +73,15 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, 
     slots: list[int] = []
     kv_lens: list[int] = []
     logits_rows: list[int] = []
+    hidden_rows: list[int] = []
     sampling: list[Request] = []
     for req, n in zip(batch.requests, batch.num_new_tokens):
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        if req.pooling is not None:
+            base = len(input_ids) - start
+            hidden_rows.extend(
+                base + p for p in rows_read(req.pooling.kind, start, end, req.num_tokens)
+            )
         input_ids.extend(req.token_slice(start, end))
         positions.extend(range(start, end))
         table = req.block_ids
@@ -79,7 +89,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, 
             table[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
         kv_lens.append(end)
-        if end == req.num_tokens:
+        if end == req.num_tokens and req.pooling is None:
             logits_rows.append(len(input_ids) - 1)
             sampling.append(req)
     inputs = StepInputs(
@@ -90,6 +100,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, 
         kv_lens,
         [list(r.block_ids) for r in batch.requests],
         logits_rows,
+        hidden_rows,
     )
     return inputs, sampling
 
@@ -241,12 +252,24 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: StepInputs, compute_logits: bool = True) -> torch.Tensor:
         """Forward one step; logits (float32) of ``inputs.logits_rows`` unless ``compute_logits`` is off."""
+        return self.run_pooled(inputs, compute_logits)[0]
+
+    @torch.inference_mode()
+    def run_pooled(
+        self, inputs: StepInputs, compute_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run``'s logits, and the final-norm hidden states of ``inputs.hidden_rows``
+        (float32, ``[len(hidden_rows), hidden]``): pooled rows never reach the lm_head."""
         size = self._graph_size(inputs)
         hidden = self._replay(inputs, size) if size is not None else self._eager(inputs)
+        pooled = hidden[self._index(inputs.hidden_rows)].float()
         if not compute_logits or not inputs.logits_rows:
-            return hidden.new_empty(0, 0, dtype=torch.float32)
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+            return hidden.new_empty(0, 0, dtype=torch.float32), pooled
+        logits = self.model.compute_logits(hidden[self._index(inputs.logits_rows)]).float()
+        return logits, pooled
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def _eager(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device

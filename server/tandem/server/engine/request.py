@@ -13,6 +13,7 @@ from .kv_transfer import RemotePrefill
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .pooling import PoolingParams
     from .structured import SequenceGrammar
 
 
@@ -85,6 +86,10 @@ class Request:
     finished_time: float | None = None
     # Siblings of an n > 1 group are forked from this request once its prompt is computed.
     pending_siblings: list[Request] = field(default_factory=list)
+    # A pooled request (embeddings) is prefill-only: it ends when its prompt is computed,
+    # with ``pooled`` (the running pooling state, then the vector) instead of tokens.
+    pooling: PoolingParams | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

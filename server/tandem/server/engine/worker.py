@@ -42,12 +42,13 @@ class Worker:
                 self._ranks = None
             raise
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Compute the batch's new tokens; logits [S, vocab] for the S requests that sample."""
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size)
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
-        return self.runner.run(inputs), sampling
+        logits, hidden = self.runner.run_pooled(inputs)
+        return logits, hidden, sampling
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(seed)

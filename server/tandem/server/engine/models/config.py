@@ -46,6 +46,9 @@ class ModelConfig:
     qk_norm: bool = False
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # Trained for Matryoshka truncation (embeddings' ``dimensions``), as vLLM reads config.json.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -86,6 +89,8 @@ class ModelConfig:
             rope=rope_parameters(raw),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(raw.get("matryoshka_dimensions") or ()),
             **family.flags(raw),
         )
 

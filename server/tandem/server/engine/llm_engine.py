@@ -21,7 +21,7 @@ from .limits import max_model_len
 from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
-from .pooling import PoolingParams, accumulate, finish, rows_read
+from .pooling import PoolingParams, fold_hidden_rows
 from .request import Request, RequestStatus, TokenLogprob
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
@@ -213,23 +213,12 @@ class LLMEngine:
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
-        """Fold each pooled request's hidden rows (in batch order) into its state; one whose
-        prompt is now computed finishes with its vector and frees its blocks."""
-        done: list[str] = []
-        offset = 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.pooling is None:
-                continue
-            kind, end = req.pooling.kind, req.num_computed_tokens  # after the update
-            count = len(rows_read(kind, end - n, end, req.num_tokens))
-            req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
-            offset += count
-            if end == req.num_tokens:
-                req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
-                req.finished_time = time.monotonic()
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                done.append(req.group_id)
-        return done
+        """Pooled requests whose prompt is now computed finish with their vector."""
+        done = fold_hidden_rows(batch.requests, batch.num_new_tokens, hidden)
+        for req in done:
+            req.finished_time = time.monotonic()
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return [req.group_id for req in done]
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
         """Add a sampled token; finish ``req`` if it ends it, and say whether it did."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import PackageNotFoundError, packages_distributions, requires
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,3 +47,65 @@ def test_ruff_lint_and_format_are_clean() -> None:
     assert check.returncode == 0, check.stdout + check.stderr
     fmt = _run(sys.executable, "-m", "ruff", "format", "--check", ".")
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_serve_extra_holds_everything_tandem_up_and_serve_import() -> None:
+    """``pip install ".[serve]"`` (the README's first command) must be enough for
+    ``tandem up`` and the servers it starts: every distribution their modules import is a
+    base dependency or in the ``serve`` extra. (``tandem up`` renders the operator's plan,
+    which imports the kubernetes models, so a missing one only failed at run time.)"""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {
+        _dist(Requirement(r).name)
+        for r in project["dependencies"] + project["optional-dependencies"]["serve"]
+    }
+    modules = [
+        "tandem.server.cli",
+        "tandem.server.local",
+        "tandem.operator.plan",
+        "tandem.operator.spec",
+        "tandem.server.api.app",
+        "tandem.server.api.serve_cli",
+        "tandem.server.proxy.app",
+        "tandem.server.proxy.cli",
+    ]
+    script = (
+        "import importlib, sys\n"
+        "before = set(sys.modules)  # the interpreter's own start-up (.pth hooks) excluded\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print('\\n'.join(sorted({n.split('.')[0] for n in set(sys.modules) - before})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    owners = packages_distributions()
+    used = {_dist(d) for m in out for d in owners.get(m, [])}
+    reachable = _with_requirements(declared)
+    optional = {"sniffio"}  # anyio imports it when installed and runs without it
+    missing = sorted(used - reachable - optional - {"tandem"})
+    assert not missing, f"imported by tandem up/serve but not in [serve]: {missing}"
+
+
+def _dist(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def _with_requirements(names: set[str]) -> set[str]:
+    """The distributions ``names`` install: themselves and what they require, transitively."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = requires(name) or []
+        except PackageNotFoundError:  # declared for another platform or Python: nothing below
+            continue
+        todo += [
+            _dist(req.name)
+            for req in map(Requirement, reqs)
+            if req.marker is None or req.marker.evaluate({"extra": ""})
+        ]
+    return seen

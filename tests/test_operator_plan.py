@@ -153,3 +153,20 @@ def test_engine_env_is_passed_to_engines_only() -> None:
     topo = plan(isvc(engine={"env": {"NCCL_DEBUG": "INFO"}}))
     assert topo.role("decode").env == {"NCCL_DEBUG": "INFO"}
     assert topo.role("proxy").env == {}
+
+
+def test_session_kv_fraction_reaches_the_engine_under_the_cli_flags_name() -> None:
+    """``spec.engine.sessionKvFraction`` is ``tandem serve --session-kv-fraction`` is
+    ``EngineConfig.session_kv_fraction`` (issue 16: sessions are a bounded cache)."""
+    from tandem.server.engine.engine_args import engine_config_from_args
+
+    topo = plan(isvc(engine={"sessionKvFraction": 0.25}))
+    for role in ("prefill", "decode"):
+        args = topo.role(role).args
+        assert args[args.index("--session-kv-fraction") + 1] == "0.25"
+        config = engine_config_from_args(parse(args), "/models/tiny")
+        assert config.session_kv_fraction == 0.25
+    assert "--session-kv-fraction" not in plan(isvc()).role("decode").args  # engine default
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="sessionKvFraction|session_kv_fraction"):
+            isvc(engine={"sessionKvFraction": bad})

@@ -7,14 +7,19 @@ on loopback; and the session store on a small pool, on the engine itself.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tandem.server.api.chat_history import ChatHistories
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
+from tandem.server.proxy.app import ProxySettings, build_app
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess
 from .test_engine_api import drain
@@ -80,6 +85,52 @@ def test_a_request_never_waits_on_session_blocks(llama_dir: Path) -> None:
     del params
     engine.sessions.expire(0.0)
     engine.kv.pool.check_all_free()
+
+
+def test_sessions_are_bounded_in_number_too(llama_dir: Path) -> None:
+    """A client opening a new session per request (the soak's growth, issue 16) leaves at
+    most ``max_sessions`` behind, not a TTL's worth: the least recently used idle one goes,
+    blocks and all, and every block is free once they expire."""
+    engine = _small_engine(llama_dir, 1.0)
+    engine.sessions.max_sessions = 3
+    _fill_sessions(engine, 6)  # c0 .. c5, one after another
+    assert list(engine.sessions._sessions) == ["c3", "c4", "c5"]
+    held = sum(len(s.block_ids) for s in engine.sessions._sessions.values())
+    assert held == engine.sessions.held_blocks > 0
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks - 1 - held
+    assert engine.sessions.expire(0.0) == 3
+    engine.kv.pool.check_all_free()
+
+
+def test_the_prefix_cache_index_is_bounded_by_the_pool(llama_dir: Path) -> None:
+    """What a soak's heap grows by, request after request (tracemalloc, issue 16): one
+    prefix-cache entry per full block computed. It stops at one entry per block of the pool:
+    a block's entry goes when the block is reused."""
+    engine = _small_engine(llama_dir, 0.5)
+    cache = engine.kv.prefix_cache
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sizes = []
+    for i in range(40):  # 40 distinct 64-token prompts: 4 full blocks each, 160 in all
+        engine.add_request(f"p{i}", [3 + i] + list(range(500 + i, 563 + i)), params)
+        drain(engine)
+        sizes.append(len(cache))
+    assert max(sizes) <= engine.kv.pool.num_blocks - 1
+    assert sizes[-1] == sizes[-10] > sizes[0]  # saturated: flat, not growing
+    engine.kv.pool.check_all_free()
+
+
+def test_chat_histories_are_bounded_in_number() -> None:
+    histories = ChatHistories(ttl_seconds=600.0, capacity=2)
+    turn = [{"role": "user", "content": "hi"}]
+    for sid in ("a", "b", "c"):
+        histories.record(sid, turn, "hello")
+    assert histories.resolve("a", turn) == turn  # forgotten: the turn is the conversation
+    reply = {"role": "assistant", "content": "hello"}
+    assert histories.resolve("c", turn) == [*turn, reply, *turn]  # remembered: appended to
+    histories.record("b", turn, "again")  # b is now the most recent; c the oldest
+    histories.record("d", turn, "hello")
+    assert histories.resolve("c", turn) == turn
+    assert histories.drop("b") and histories.drop("d") and not histories.drop("c")
 
 
 # ----- bad inputs at the engine and the proxy --------------------------------------------------
@@ -221,3 +272,78 @@ def test_a_session_belongs_to_the_key_that_made_it(plane, server: str) -> None:
     ok = httpx.delete(f"{url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY_A}"})
     assert ok.status_code == 200, ok.text
     engine.wait_idle()
+
+
+# ----- what the proxy fuzz found ---------------------------------------------------------------
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_a_content_part_with_null_text_is_a_400(plane, server: str) -> None:
+    """The proxy estimated the prompt's length from ``"".join(part["text"])`` and a part with
+    ``"text": null`` (or on Ollama's chat route, unvalidated) was a 500 there."""
+    url = plane[0 if server == "engine" else 1].url
+    for part in ({"type": "text", "text": None}, {"type": "image_url", "text": None}):
+        messages = [{"role": "user", "content": [part]}]
+        body = json.dumps({"model": "tiny", "max_tokens": 1, "messages": messages})
+        _is_error(_raw(url, "/v1/chat/completions", body), what=str(part))
+        r = _raw(url, "/api/chat", json.dumps({"model": "tiny", "messages": messages}))
+        assert 400 <= r.status_code < 500, (part, r.status_code, r.text[:300])
+
+
+@pytest.mark.parametrize("server", ["engine", "proxy"])
+def test_the_openapi_document_names_each_operation_once(plane, server: str) -> None:
+    """Operation ids are unique (``/nodes/terminate_all`` took one id for GET and POST) and
+    ``/metrics`` documents the content type it answers with."""
+    target = plane[0 if server == "engine" else 1]
+    spec = httpx.get(target.url + "/openapi.json", headers=target.admin_headers).json()
+    ops = [(m, p, op["operationId"]) for p, item in spec["paths"].items() for m, op in item.items()]
+    ids = [i for _, _, i in ops]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    r = httpx.get(target.url + "/metrics", headers=target.admin_headers)
+    assert r.headers["content-type"].split(";")[0] == "text/plain"
+    if server == "proxy":  # one route, two methods, two operations; its 405 allows both
+        assert {"get", "post"} <= set(spec["paths"]["/nodes/terminate_all"])
+        r = httpx.put(target.url + "/nodes/terminate_all", headers=target.admin_headers)
+        assert r.status_code == 405
+        assert {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "POST"}
+
+
+def test_p2p_connect_to_an_address_zmq_cannot_use_is_a_400(plane) -> None:
+    """Found by the fuzz: a port above 65535 (or a host ZMQ cannot parse) was a 502."""
+    engine, _ = plane
+    for address in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://*:5555"):
+        info = {"zmq_address": address}
+        body = json.dumps({"remote_engine_id": "x", "remote_engine_endpoint_info": info})
+        err = _is_error(
+            _raw(engine.url, "/distserve/p2p_connect", body, key=INTERNAL), what=address
+        )
+        assert err["param"].startswith("remote_engine_endpoint_info"), address
+
+
+def test_deleting_a_session_on_an_engine_that_does_not_answer_is_a_503_not_a_404() -> None:
+    """Found by the soak: a DELETE the holding engine answered after the proxy's timeout
+    came back 404 ("does not exist") for a session that existed."""
+    with socket.socket() as silent:  # accepts, then closes without a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        threading.Thread(target=lambda: silent.accept()[0].close(), daemon=True).start()
+        app = build_app(ProxySettings(static_nodes=[(url, "decode")]))
+        app.state.proxy.flow.sessions.set("s1", url)
+
+        async def delete() -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                return await c.delete("/v1/sessions/s1")
+
+        err = _is_error(asyncio.run(delete()), 503)
+        assert err["code"] == "no_engine_available" and url in err["message"]
+
+
+def test_update_weights_for_a_model_nobody_serves_is_a_404(plane) -> None:
+    """Found by the fuzz: the proxy answered 503 ("no healthy engine") for a model name no
+    engine has, as if the service were down."""
+    _, proxy = plane
+    body = json.dumps({"model": "no-such-model", "model_path": "/nowhere"})
+    err = _is_error(_raw(proxy.url, "/update_weights", body, key=ADMIN), 404)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")

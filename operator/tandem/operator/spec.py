@@ -195,6 +195,12 @@ class EngineSpec(_Model):
         None,
         description="When a decode engine cannot pull the KV cache: fail the request, or recompute the prefill",
     )
+    session_kv_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fraction of the KV cache idle sessions may hold; beyond it the least recently used give theirs back",
+    )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
         description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",

@@ -10,15 +10,22 @@ its KV blocks and prefill only the new tokens.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
+
+from tandem.server.engine.sessions import MAX_SESSIONS
 
 Message = dict[str, Any]
 
 
 class ChatHistories:
-    def __init__(self, ttl_seconds: float | None) -> None:
+    """Per session, its conversation so far; at most ``capacity`` of them (the least
+    recently used is forgotten first, as the engine forgets its session), each for ``ttl``."""
+
+    def __init__(self, ttl_seconds: float | None, capacity: int = MAX_SESSIONS) -> None:
         self.ttl = ttl_seconds
-        self._history: dict[str, tuple[list[Message], float]] = {}
+        self.capacity = capacity
+        self._history: OrderedDict[str, tuple[list[Message], float]] = OrderedDict()
 
     def resolve(self, session_id: str, messages: list[Message]) -> list[Message]:
         self._expire()
@@ -32,6 +39,9 @@ class ChatHistories:
             conversation + [{"role": "assistant", "content": reply}],
             time.monotonic(),
         )
+        self._history.move_to_end(session_id)
+        while len(self._history) > self.capacity:
+            self._history.popitem(last=False)
 
     def drop(self, session_id: str) -> bool:
         return self._history.pop(session_id, None) is not None

@@ -15,8 +15,14 @@ P2P_CONNECT_TIMEOUT_S = 5.0
 router = APIRouter(prefix="/distserve")
 
 
+# tcp://host:port, port 1-65535: an address ZMQ refuses to connect to is the caller's 400.
+_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
+# A peer that cannot be reached answers 502 (refused, failed) or 504 (silent).
+_PEER_RESPONSES = ERROR_RESPONSES | {s: ERROR_RESPONSES[503] for s in (502, 504)}
+
+
 class EndpointInfo(APIModel):
-    zmq_address: str = Field(pattern=r"^tcp://[^\s/:]+:\d{1,5}$", max_length=256)
+    zmq_address: str = Field(pattern=rf"^tcp://[A-Za-z0-9.-]+:{_PORT}$", max_length=256)
 
 
 class P2PConnectRequest(APIModel):
@@ -95,7 +101,7 @@ async def p2p_initialize(body: P2PInitializeRequest, request: Request) -> dict[s
     return {"success": True, "engine_id": engine_id}
 
 
-@router.post("/p2p_connect", responses=ERROR_RESPONSES)
+@router.post("/p2p_connect", responses=_PEER_RESPONSES)
 async def p2p_connect(body: P2PConnectRequest, request: Request) -> dict[str, Any]:
     """Open the transport to a prefill engine now and check the KV layouts: 400 on a layout
     mismatch, 502 when the peer fails, 504 when it does not answer within 5 s."""

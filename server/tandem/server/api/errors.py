@@ -8,6 +8,7 @@ nothing a client sends may surface as a 500.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -146,15 +147,22 @@ def validation_message(exc: Any) -> tuple[str, str | None]:
 
 
 def without_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 on every route with a body; ours answer 400 instead (above)."""
+    """FastAPI documents a 422 on every route with a body; ours answer 400 instead (above).
+
+    It also gives a route serving several methods one operation id for all of them; each
+    operation here gets its own (its method's suffix), as OpenAPI requires."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
             for item in schema.get("paths", {}).values():
-                for op in item.values():
+                ids = [op.get("operationId") for op in item.values()]
+                for method, op in item.items():
                     op.get("responses", {}).pop("422", None)
+                    if ids.count(op.get("operationId")) > 1:
+                        stem = re.sub(r"_[a-z]+$", "", op["operationId"])
+                        op["operationId"] = f"{stem}_{method}"
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from .errors import APIError
 from .generation import api_error
 from .metrics import CONTENT_TYPE
-from .protocol import ERROR_RESPONSES, ErrorResponse, HealthResponse
+from .protocol import ERROR_RESPONSES, METRICS_RESPONSES, ErrorResponse, HealthResponse
 from .state import ServerState, get_state
 from .weights_routes import weights_info
 
@@ -126,7 +126,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
 async def metrics(request: Request) -> Response:
     """Prometheus text format."""
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -471,6 +471,13 @@ def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
 
 
 SSE_RESPONSES = ERROR_RESPONSES | streamed("text/event-stream", "server-sent events")
+# /metrics (engine and proxy): Prometheus' text exposition format, not JSON.
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 
 class UpdateWeightsRequest(APIModel):

@@ -8,6 +8,10 @@ Sessions are a cache, not a reservation: idle sessions together hold at most ``m
 and ``reclaim`` takes blocks back from the least recently used idle sessions whenever a
 request finds the pool short. A session that lost its blocks stays a session; its next
 turn recomputes (or finds its blocks still in the prefix cache).
+
+The sessions themselves are bounded too: beyond ``max_sessions`` the least recently used idle
+one is forgotten as if it had expired, so a client opening a new session per request cannot
+grow the store for a whole TTL.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from .prefix_cache import chain_hashes
 from .request import Request
 from .sampling_params import InvalidParamError
 
+# Conversations an engine (and the API's chat histories) remember at once.
+MAX_SESSIONS = 4096
+
 
 @dataclass
 class Session:
@@ -33,9 +40,12 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, kv: KVCacheManager, max_blocks: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_blocks: int, max_sessions: int = MAX_SESSIONS
+    ) -> None:
         self.kv = kv
         self.max_blocks = max_blocks
+        self.max_sessions = max_sessions
         self.held_blocks = 0  # blocks idle sessions hold
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
 
@@ -47,6 +57,8 @@ class SessionStore:
 
     def attach(self, session_id: str, req: Request) -> None:
         """Give ``req`` the session's blocks for the prefix it shares; free the rest."""
+        if session_id not in self._sessions:
+            self._forget_idle(len(self._sessions) + 1 - self.max_sessions)
         s = self._sessions.setdefault(session_id, Session(session_id))
         self._sessions.move_to_end(session_id)
         s.busy = True
@@ -87,6 +99,12 @@ class SessionStore:
         self.held_blocks += len(s.block_ids)
         if self.held_blocks > self.max_blocks:
             self._evict(lambda: self.held_blocks <= self.max_blocks)
+
+    def _forget_idle(self, count: int) -> None:
+        """Forget the ``count`` least recently used idle sessions (blocks and all)."""
+        oldest = [sid for sid, s in self._sessions.items() if not s.busy][: max(count, 0)]
+        for sid in oldest:
+            self.delete(sid)
 
     def reclaim(self, num_blocks: int) -> None:
         """Give blocks back until the pool has ``num_blocks`` free (or no idle session has any)."""

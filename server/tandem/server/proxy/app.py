@@ -40,6 +40,7 @@ from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 from tandem.server.api.protocol import (
     ERROR_RESPONSES,
+    METRICS_RESPONSES,
     SSE_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -267,7 +268,16 @@ def _add_openai_routes(app: FastAPI) -> None:
         error), with the list beside it."""
         state = get_state(request)
         body = _json_body(request)
-        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(body.get("model"))]
+        model = body.get("model")
+        urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(model)]
+        if not urls and not any(n.serves(model) for n in state.registry.nodes()):
+            raise ProxyError(  # the caller's mistake, not an outage
+                404,
+                f"The model '{model}' does not exist",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
         if not urls:
             raise APIError(503, "no healthy engine serves this model", code="no_engines")
         headers = {**state.flow.headers, **request_id_header(request)}
@@ -334,6 +344,7 @@ def _add_openai_routes(app: FastAPI) -> None:
                 param="session_id",
             )
         )
+        silent = ""  # an engine that did not answer may hold it: not a 404 then
         for url in urls:
             try:
                 r = await state.client.delete(
@@ -341,11 +352,19 @@ def _add_openai_routes(app: FastAPI) -> None:
                     headers=flow.headers,
                     timeout=10.0,
                 )
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                silent = f"{url}: {type(exc).__name__}"
                 continue
             if r.status_code < 400:
                 flow.sessions.forget(session_id)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if silent:
+            raise ProxyError(
+                503,
+                f"an engine that may hold session {session_id!r} did not answer ({silent})",
+                type="service_unavailable",
+                code="no_engine_available",
+            )
         return last
 
     @app.get("/v1/models")
@@ -567,7 +586,7 @@ def _add_ops_routes(app: FastAPI) -> None:
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         """Prometheus text: requests by route/mode/status, failures, fallbacks, nodes."""
         reg = CollectorRegistry()

@@ -46,7 +46,11 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
                 continue
             content = m.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(
+                    t
+                    for p in content
+                    if isinstance(p, dict) and isinstance(t := p.get("text"), str)
+                )
             elif content is not None and not isinstance(content, str):
                 content = json.dumps(content, sort_keys=True)
             parts.append(f"<{m.get('role', '')}>{content or ''}")

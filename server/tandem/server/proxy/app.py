@@ -271,12 +271,8 @@ def _add_openai_routes(app: FastAPI) -> None:
         model = body.get("model")
         urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(model)]
         if not urls and not any(n.serves(model) for n in state.registry.nodes()):
-            raise ProxyError(  # the caller's mistake, not an outage
-                404,
-                f"The model '{model}' does not exist",
-                type="invalid_request_error",
-                code="model_not_found",
-                param="model",
+            raise APIError(  # the caller's mistake, not an outage
+                404, f"The model '{model}' does not exist", code="model_not_found", param="model"
             )
         if not urls:
             raise APIError(503, "no healthy engine serves this model", code="no_engines")
@@ -359,10 +355,9 @@ def _add_openai_routes(app: FastAPI) -> None:
                 flow.sessions.forget(session_id)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
         if silent:
-            raise ProxyError(
+            raise APIError(
                 503,
                 f"an engine that may hold session {session_id!r} did not answer ({silent})",
-                type="service_unavailable",
                 code="no_engine_available",
             )
         return last

@@ -3,8 +3,8 @@
 The offline workload of nano-vllm's benchmark: 256 sequences, input and output lengths each
 uniform in 100..1024 (random token ids), ``ignore_eos``, greedy. Models: the shapes of
 Qwen3-0.6B and Llama-3.1-8B (their published config.json) with random bfloat16 weights made
-in memory on the GPU; Tandem loads the very same tensors (``register_in_memory_weights``),
-so both sides run the same model on the same prompts.
+on the GPU, saved into the model's directory; Tandem loads them from there, so both sides run
+the same model on the same prompts.
 
 Per model it prints:
   * Tandem's output tokens/s over the whole workload (one ``generate`` call);
@@ -213,23 +213,23 @@ def decode_step_time(llm, context: int, device: torch.device, iters: int) -> flo
     """Seconds per forward of one decode row with ``context`` tokens of context (logits included)."""
     from tandem.server.engine.model_runner import StepInputs
 
-    worker = llm.engine.worker
+    runner = llm.engine.worker.runner
     bs = llm.engine.config.block_size
     blocks = list(range(1, -(-context // bs) + 1))
-    if blocks[-1] >= worker.num_blocks:
+    if blocks[-1] >= runner.num_blocks:
         raise SystemExit(
-            f"--decode-context {context} does not fit the KV cache ({worker.num_blocks} blocks)"
+            f"--decode-context {context} does not fit the KV cache ({runner.num_blocks} blocks)"
         )
     pos = context - 1
     inputs = StepInputs(
         [11], [pos], [blocks[pos // bs] * bs + pos % bs], [1], [context], [blocks], [0]
     )
     for _ in range(5):
-        worker.runner.run(inputs)
+        runner.run(inputs)
     sync(device)
     start = time.perf_counter()
     for _ in range(iters):
-        worker.runner.run(inputs)
+        runner.run(inputs)
     sync(device)
     return (time.perf_counter() - start) / iters
 
@@ -264,8 +264,6 @@ def run_transformers(
 
 
 def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src: Path) -> None:
-    from tandem.server.engine.loader import forget_in_memory_weights, register_in_memory_weights
-
     cfg = SHAPES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
@@ -280,11 +278,8 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
 
     hf = random_hf_model(path, dtype, device, args.seed)
-    register_in_memory_weights(path, hf.state_dict())
-    try:
-        llm, t_ours, n_ours = run_tandem(path, prompts, outputs, args, device, dtype_name)
-    finally:
-        forget_in_memory_weights(path)
+    hf.save_pretrained(path)  # the checkpoint Tandem loads: the very tensors transformers holds
+    llm, t_ours, n_ours = run_tandem(path, prompts, outputs, args, device, dtype_name)
     runner = llm.engine.worker.runner
     print(
         f"tandem        {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s  "
@@ -293,7 +288,7 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
 
     step = decode_step_time(llm, args.decode_context, device, args.decode_iters)
-    weights, kv = step_bytes(llm.engine.worker.model, cfg, args.decode_context, dtype)
+    weights, kv = step_bytes(llm.engine.worker.runner.model, cfg, args.decode_context, dtype)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     floor = (weights + kv) / bandwidth
     del llm

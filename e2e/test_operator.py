@@ -78,6 +78,31 @@ def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[di
     return [e for e in items if e.get("reason") == reason]
 
 
+def _patch_engine(
+    cluster: Cluster, namespace: str, name: str, engine: dict[str, Any], generation: int
+) -> None:
+    """Change ``spec.engine`` and wait until the operator has observed that generation."""
+    cluster.kubectl(
+        "patch",
+        "tisvc",
+        name,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": engine}}),
+    )
+    wait_for(
+        f"observedGeneration {generation}",
+        lambda: (
+            _get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")
+            == generation
+        ),
+        timeout=60,
+        interval=1,
+    )
+
+
 def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
     kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
     items = cluster.kubectl_json(
@@ -475,22 +500,7 @@ def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, names
             "get", "pods", "-n", namespace, "-l", "tandem.dev/role=decode"
         )["items"]
     }
-    cluster.kubectl(
-        "patch",
-        "tisvc",
-        name,
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"engine": {"maxModelLen": 4096}}}),
-    )
-    wait_for(
-        "observedGeneration 2",
-        lambda: (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2,
-        timeout=60,
-        interval=1,
-    )
+    _patch_engine(cluster, namespace, name, {"maxModelLen": 4096}, generation=2)
     cluster.kubectl(
         "rollout", "status", "deployment/llama-decode", "-n", namespace, "--timeout=90s"
     )
@@ -607,22 +617,7 @@ def test_autoscaled_role_replicas_are_left_to_the_autoscaler(
     # someone (the HPA) scales it; the operator's next apply must not undo that
     cluster.kubectl("scale", "deployment/auto-engine", "-n", namespace, "--replicas=2")
     cluster.kubectl("annotate", "tisvc", name, "-n", namespace, "touch=1")  # an update event
-    cluster.kubectl(
-        "patch",
-        "tisvc",
-        name,
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"engine": {"maxNumSeqs": 32}}}),
-    )
-    wait_for(
-        "observedGeneration 2",
-        lambda: (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2,
-        timeout=60,
-        interval=1,
-    )
+    _patch_engine(cluster, namespace, name, {"maxNumSeqs": 32}, generation=2)
     assert _get(cluster, "deployment", "auto-engine", namespace)["spec"]["replicas"] == 2
     hpa = _get(cluster, "hpa", "auto-engine", namespace)
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
@@ -735,24 +730,7 @@ def test_a_second_operator_waits_until_the_leader_leaves(
             timeout=60,
             interval=1,
         )
-        cluster.kubectl(
-            "patch",
-            "tisvc",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"engine": {"maxNumSeqs": 16}}}),
-        )
-        wait_for(
-            "observedGeneration 2 from the new leader",
-            lambda: (
-                (_get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")) == 2
-            ),
-            timeout=60,
-            interval=1,
-        )
+        _patch_engine(cluster, namespace, name, {"maxNumSeqs": 16}, generation=2)  # the new leader
         cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
     finally:
         second.stop()

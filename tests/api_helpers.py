@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tandem.server.net import free_port
 
@@ -191,6 +192,32 @@ def held(*servers: ChildProcess) -> Iterator[None]:
     finally:
         for s in servers:
             httpx.post(s.url + "/resume", headers=s.admin_headers, timeout=10).raise_for_status()
+
+
+def leave_mid_stream(url: str, body: dict, headers: dict[str, str] | None = None) -> None:
+    """Start a streamed request, read until its first event, then hang up: a client that
+    goes away mid-stream (the server must abort the request and free its blocks)."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data:") for _ in range(6))
+
+
+def give_up_while_held(
+    url: str,
+    body: dict,
+    headers: dict[str, str] | None,
+    held_on: list[ChildProcess],
+    engines: list[ChildProcess],
+) -> None:
+    """A non-streamed request held in flight on ``held_on`` whose client gives up: one of
+    ``engines`` must abort it (counted by its metrics, so nothing races the clock)."""
+    before = sum(aborted_count(e) for e in engines)
+    with held(*held_on):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={**body, "stream": False}, headers=headers, timeout=0.4)
+        wait_until(
+            lambda: sum(aborted_count(e) for e in engines) > before, what="an engine aborting"
+        )
 
 
 @contextlib.contextmanager

@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.server.engine.attention import TorchAttentionBackend
-from tandem.server.engine.kv_cache import KVCache
-from tandem.server.engine.loader import load_model
+from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.model_runner import (
     ModelRunner,
     StepInputs,
@@ -68,12 +66,13 @@ def test_pad_decode_inputs_points_padding_at_the_null_page() -> None:
 
 
 def test_padded_decode_changes_no_real_row_and_no_real_slot(llama_dir) -> None:
-    cfg = ModelConfig.from_dir(llama_dir)
-    dev = torch.device("cpu")
-    model = load_model(llama_dir, torch.float32, dev)
     bs = 4
-    cache = KVCache(cfg, 16, bs, torch.float32, dev)
-    runner = ModelRunner(model, TorchAttentionBackend(cache, cfg.head_dim**-0.5), bs, dev)
+    config = EngineConfig(
+        str(llama_dir), dtype="float32", device="cpu", block_size=bs, kv_cache_tokens=15 * bs
+    )
+    runner = ModelRunner(config, ModelConfig.from_dir(llama_dir), torch.device("cpu"))
+    cache = runner.kv_cache
+    assert cache.num_blocks == 16 and runner.backend.name == "torch"
     # prefill three sequences: 5, 9 and 2 tokens in blocks [1, 2], [3, 4, 5], [6]
     tables = [[1, 2], [3, 4, 5], [6]]
     lens = [5, 9, 2]

@@ -70,7 +70,7 @@ def test_half_precision_checkpoint_matches_transformers_in_its_dtype(
 ) -> None:
     path = make_tiny_model(tmp_path / dtype, TinyModelSpec(arch="qwen2", seed=2, dtype=dtype))
     llm = LLM(str(path), kv_cache_tokens=1024, dtype=dtype)
-    assert llm.engine.worker.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert llm.engine.worker.runner.model.lm_head.weight.dtype == getattr(torch, dtype)
     ids = llm.tokenizer.encode("The quick brown fox")
     ours = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[
         0

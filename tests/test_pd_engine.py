@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
+from tandem.server.disagg.puller import KVPuller
 from tandem.server.disagg.transport import KVTransportClient, KVTransportServer, TransportError
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
@@ -165,3 +167,30 @@ def test_mismatched_prompt_length_is_refused(pd) -> None:
     handle = prefill_handoff(prefill, "p", list(range(5, 30)), GREEDY)
     with pytest.raises(ValueError, match="tokenize differently"):
         decode.add_request("d", list(range(5, 31)), GREEDY, kv_transfer=handle)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_first_token_that_stops_ends_the_decode_without_a_pull(pd, stream: bool) -> None:
+    """The prefill's one token already ends the request: the decode engine answers it at once
+    (the proxy passes that through) and only releases the lease; no block is pulled or held."""
+    prefill, decode, client = pd
+    prompt = list(range(5, 50))
+    handle = prefill_handoff(prefill, "p", prompt, GREEDY)
+    first = handle["first_token_ids"][0]
+    stops = GREEDY.clone(stop_token_ids=[first])
+    decode.add_request("d", prompt, stops, kv_transfer=handle, stream=stream)
+    out = drain(decode, "d", stream=stream)
+    assert out.token_ids == [first] and out.finish_reason == "stop" and out.error is None
+    (task,) = decode.handoff.take_pull_tasks()
+    assert task.lease_id == handle["remote_lease_id"] and task.remote_block_ids == []
+    assert prefill.stats().num_leases == 1
+    puller = KVPuller(lambda: decode.handoff.layout)  # what the server's engine loop runs
+    done: Future = Future()
+    puller.submit(task, decode.kv_cache, lambda rid, error: done.set_result((rid, error)))
+    assert done.result(timeout=30) == ("d", None)
+    puller.close()
+    decode.complete_pull("d")  # the request is over: nothing changes
+    prefill.step()  # the release lands at the next step's sweep
+    assert prefill.stats().num_leases == 0
+    prefill.kv.pool.check_all_free()
+    decode.kv.pool.check_all_free()

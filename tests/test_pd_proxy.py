@@ -15,7 +15,13 @@ import pytest
 
 from tandem.server.api.registration import register_engine
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess, aborted_count, held, sse_events, wait_until
+from .api_helpers import (
+    ENGINE_FLAGS,
+    ServerProcess,
+    give_up_while_held,
+    leave_mid_stream,
+    sse_events,
+)
 from .test_proxy_helpers import (
     PROXY_ADMIN_KEY,
     PROXY_KEY,
@@ -83,9 +89,9 @@ def _client(url: str, key: str = PROXY_KEY) -> openai.OpenAI:
 
 
 def _complete(
-    client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24
+    client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int = 24, **more: object
 ) -> tuple[str, str | None]:
-    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, **more)
     if not stream:
         r = client.completions.create(**kw)
         return r.choices[0].text, r.choices[0].finish_reason
@@ -137,6 +143,28 @@ def test_pd_output_equals_single_engine(stack, stream: bool) -> None:
         wait_free(e)  # the decode side released each lease: every block free on both sides
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_pd_first_token_that_stops(stack, stream: bool) -> None:
+    """The prefill's one token already ends the request: the decode engine answers it (without
+    a pull) as one engine would, and the proxy passes that through untouched."""
+    proxy, p, d, ref = stack
+    via, alone = _client(proxy.url), _client(ref.url, "unused")
+    first, _ = _complete(alone, PROMPTS[1], stream=False, max_tokens=1)
+    assert first
+    before = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
+    want = _complete(alone, PROMPTS[1], stream=False, stop=[first])
+    assert want == ("", "stop")
+    assert _complete(via, PROMPTS[1], stream, stop=[first]) == want
+    after = metric_value(
+        proxy.metrics(), "tandem_proxy_requests_total", mode="disaggregated", status="200"
+    )
+    assert after - before == 1
+    for e in (p, d):
+        wait_free(e)  # the decode side released the lease it never pulled from
+
+
 def test_pd_usage_and_token_ids_are_the_whole_requests(stack) -> None:
     proxy, p, d, ref = stack
     body = {
@@ -181,24 +209,12 @@ def test_client_dropped_mid_stream_frees_both_sides(stack) -> None:
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream(
-        "POST", proxy.url + "/v1/chat/completions", json=body, headers=proxy.headers, timeout=60
-    ) as r:
-        lines = r.iter_lines()
-        assert any(next(lines).startswith("data:") for _ in range(6))
+    url = proxy.url + "/v1/chat/completions"
+    leave_mid_stream(url, body, proxy.headers)
     for e in (p, d):
         wait_free(e, timeout=15)
     # and a client that gives up on a non-streamed request, held in flight on the decode engine
-    before = aborted_count(p) + aborted_count(d)
-    with held(d):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
-                proxy.url + "/v1/chat/completions",
-                json={**body, "stream": False},
-                headers=proxy.headers,
-                timeout=0.4,
-            )
-        wait_until(lambda: aborted_count(p) + aborted_count(d) > before, what="an engine aborting")
+    give_up_while_held(url, body, proxy.headers, held_on=[d], engines=[p, d])
     for e in (p, d):
         wait_free(e, timeout=15)
 

@@ -16,11 +16,10 @@ from tandem.server.api.registration import deregister_engine, register_engine
 from .api_helpers import (
     ENGINE_FLAGS,
     ServerProcess,
-    aborted_count,
     free_port,
-    held,
+    give_up_while_held,
+    leave_mid_stream,
     sse_events,
-    wait_until,
 )
 from .test_proxy_helpers import (
     PROXY_ADMIN_KEY,
@@ -204,28 +203,12 @@ def test_client_disconnects_abort_on_the_engine(stack) -> None:
         "stream": True,
         **GREEDY,
     }
-    for _ in range(2):
-        with httpx.stream(
-            "POST", proxy.url + "/v1/completions", json=body, headers=proxy.headers, timeout=60
-        ) as r:
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(4)]
-            assert any(line.startswith("data:") for line in got)
-        # left mid-stream: the engine must abort and free everything
+    url = proxy.url + "/v1/completions"
+    for _ in range(2):  # left mid-stream: the engine must abort and free everything
+        leave_mid_stream(url, body, proxy.headers)
     for e in engines:
         wait_free(e)
-    before = sum(aborted_count(e) for e in engines)
-    with held(*engines):  # a non-streamed request, held in flight, whose client gives up
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
-                proxy.url + "/v1/completions",
-                json={**body, "stream": False},
-                headers=proxy.headers,
-                timeout=0.4,
-            )
-        wait_until(
-            lambda: sum(aborted_count(e) for e in engines) > before, what="an engine aborting"
-        )
+    give_up_while_held(url, body, proxy.headers, held_on=engines, engines=engines)
     for e in engines:
         wait_free(e)
     assert metric_value(proxy.metrics(), "tandem_proxy_client_disconnects_total") >= 1

@@ -4,7 +4,6 @@ request rewriting, and the app's own answers (auth, validation, no engines) in p
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
-from tandem.server.proxy.pd_flow import _finished_by_prefill, _stream_of, prefill_request
+from tandem.server.proxy.pd_flow import prefill_request
 from tandem.server.proxy.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -305,43 +304,6 @@ def test_prefill_request() -> None:
         "kv_transfer_params": {"do_remote_decode": True},
     }
     assert body["stream"] is True and "kv_transfer_params" not in body  # the original is untouched
-
-
-def _body_events(resp) -> list:
-    async def read() -> bytes:
-        return b"".join([c async for c in resp.body_iterator])
-
-    raw = asyncio.run(read()).decode()
-    return [e[len("data: ") :] for e in raw.split("\n\n") if e]
-
-
-def test_finished_by_prefill_streams_as_sse() -> None:
-    chat = {
-        "id": "c1",
-        "created": 5,
-        "model": "m",
-        "object": "chat.completion",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "!"}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-    }
-    assert _finished_by_prefill(chat)
-    assert not _finished_by_prefill({"choices": [{"finish_reason": "length"}]})
-    events = _body_events(_stream_of("chat", chat, {"stream_options": {"include_usage": True}}))
-    assert events[-1] == "[DONE]"
-    first, second, usage = (json.loads(e) for e in events[:-1])
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert second["choices"][0] == {
-        "index": 0,
-        "delta": {"content": "!"},
-        "logprobs": None,
-        "finish_reason": "stop",
-    }
-    assert usage["usage"]["total_tokens"] == 4 and usage["object"] == "chat.completion.chunk"
-    comp = {"id": "x", "model": "m", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
-    events = _body_events(_stream_of("completions", comp, {}))
-    assert json.loads(events[0])["choices"][0]["finish_reason"] == "stop" and events[1] == "[DONE]"
 
 
 def test_registration_body_is_lmdeploys() -> None:

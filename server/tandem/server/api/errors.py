@@ -28,6 +28,7 @@ _TYPES = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_disconnected",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -44,6 +45,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,6 +53,19 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.retry_after = retry_after  # seconds, sent as Retry-After
+
+    def body(self) -> dict[str, Any]:
+        return error_body(
+            self.status, self.message, code=self.code, param=self.param, type=self.type
+        )
+
+
+class ClientDisconnected(APIError):
+    """The client went away before its response was ready (nobody reads the 499)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected")
 
 
 def error_body(
@@ -80,11 +95,9 @@ def _count(request: Request, status: int) -> None:
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     if err.status == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
-    return JSONResponse(
-        error_body(err.status, err.message, code=err.code, param=err.param, type=err.type),
-        status_code=err.status,
-        headers=headers,
-    )
+    if err.retry_after is not None:
+        headers = {**(headers or {}), "Retry-After": str(err.retry_after)}
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 async def send_error(send: Send, err: APIError) -> None:

@@ -28,15 +28,11 @@ from tandem.server.engine import (
 from tandem.server.engine.structured import GrammarError, GrammarSpec
 
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
-from .errors import APIError
+from .errors import APIError, ClientDisconnected
 from .state import ServerState
 
 DISCONNECT_POLL_S = 0.5
 T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
 
 
 def new_id(prefix: str, request: Request | None = None) -> str:

@@ -492,7 +492,12 @@ def completion_response(
     }
 
 
-def chat_chunk(
+CHAT_CHUNK = "chat.completion.chunk"
+COMPLETION_CHUNK = "text_completion"
+
+
+def stream_chunk(
+    object_: str,
     *,
     request_id: str,
     created: int,
@@ -501,30 +506,10 @@ def chat_chunk(
     usage_info: dict[str, Any] | None = None,
     include_usage_field: bool = False,
 ) -> dict[str, Any]:
+    """One streamed event of a chat (``CHAT_CHUNK``) or completion (``COMPLETION_CHUNK``)."""
     body: dict[str, Any] = {
         "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if include_usage_field or usage_info is not None:
-        body["usage"] = usage_info
-    return body
-
-
-def completion_chunk(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_info: dict[str, Any] | None = None,
-    include_usage_field: bool = False,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
+        "object": object_,
         "created": created,
         "model": model,
         "choices": choices,

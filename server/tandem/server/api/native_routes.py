@@ -9,15 +9,14 @@ from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tandem.server.engine import SamplingParams
 
 from . import mapping
 from .body import ParsedJSONRoute
-from .errors import APIError, error_body
+from .errors import APIError
 from .generation import (
-    ClientDisconnected,
     Job,
     new_id,
     off_loop,
@@ -99,10 +98,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         return StreamingResponse(
             _generate_stream(job, rid, want), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    try:
-        (out,) = await job.collect(request)
-    except ClientDisconnected:
-        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    (out,) = await job.collect(request)
     return _generate_body(rid, out, len(out.outputs[0].token_ids), want)
 
 
@@ -113,7 +109,7 @@ async def _generate_stream(job: Job, rid: str, want_logprobs: bool) -> AsyncIter
             yield sse_event(body)
         yield DONE
     except APIError as err:
-        yield sse_event(error_body(err.status, err.message, code=err.code))
+        yield sse_event(err.body())
     finally:
         if not job.finished:
             job.abort_unfinished()
@@ -301,10 +297,7 @@ async def _ollama_run(
         return StreamingResponse(
             _ollama_stream(job, rid, model, started, wrap), media_type="application/x-ndjson"
         )
-    try:
-        (out,) = await job.collect(request)
-    except ClientDisconnected:
-        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    (out,) = await job.collect(request)
     return {
         "model": model,
         "created_at": _created_at(),

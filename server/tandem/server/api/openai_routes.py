@@ -9,15 +9,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
+from tandem.server.engine.sampling_params import SamplingParams
 from tandem.server.engine.structured import GrammarSpec
 
 from . import mapping, structured
 from .body import ParsedJSONRoute
 from .chat_choice import ChoiceStream, chat_message
-from .errors import APIError, error_body
-from .generation import ClientDisconnected, Job, new_id, off_loop, submit, tokenize_text
+from .errors import APIError
+from .generation import Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
 from .protocol import (
     ERROR_RESPONSES,
@@ -29,7 +30,7 @@ from .protocol import (
     ModelList,
 )
 from .reasoning import THINK_END
-from .sse import DONE, SSE_HEADERS, sse_event
+from .sse import DONE, SSE_HEADERS, error_event, sse_event
 from .state import ServerState, get_state
 from .tool_parsers import Parser, parser_for_template, tool_plan
 from .weights_routes import weights_info
@@ -75,9 +76,7 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """Chat over the model's template; ``stream: true`` answers with ``chat.completion.chunk`` events."""
-    state = get_state(request)
-    _note_ignored("/v1/chat/completions", body)
-    model = state.check_model(body.model)
+    state, model = _open(request, body, "/v1/chat/completions")
     mapping.check_chat_request(body)
     top = mapping.chat_logprobs_count(body)
     params = mapping.sampling_params(
@@ -101,22 +100,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         state, tokenize_text, state, text, "messages", add_special_tokens=False
     )
     request_id = new_id("chatcmpl", request)
-    check_kv_transfer(state, request, body.kv_transfer_params, [prompt_ids])
-    job = await submit(
-        state,
-        request_id,
-        [prompt_ids],
-        params,
-        stream=bool(body.stream),
-        session_id=session,
-        kv_transfer=body.kv_transfer_params,
-    )
+    job, created = await _submit(state, request, body, request_id, [prompt_ids], params, session)
     if conversation is not None:
         job.on_finish = lambda text: state.histories.record(session, conversation, text)
-    created = int(time.time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return _event_stream(
             _chat_stream(
                 state,
                 job,
@@ -125,17 +113,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 created,
                 model,
                 top,
-                include_usage,
+                _include_usage(body),
                 bool(body.return_token_ids),
                 (lambda: ChoiceStream(tools, reasoning)) if tools or reasoning else None,
-            ),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            )
         )
-    try:
-        outputs = await job.collect(request)
-    except ClientDisconnected:
-        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    outputs = await job.collect(request)
     response = mapping.chat_response(
         request_id=request_id,
         created=created,
@@ -151,6 +134,47 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 c.text, c.finish_reason, tools, reasoning
             )
     return _with_handoff(state, response, outputs)
+
+
+def _open(
+    request: Request, body: ChatCompletionRequest | CompletionRequest, route: str
+) -> tuple[ServerState, str]:
+    """The server state and the served model's name, once the request names it."""
+    state = get_state(request)
+    _note_ignored(route, body)
+    return state, state.check_model(body.model)
+
+
+async def _submit(
+    state: ServerState,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    session: str | None,
+) -> tuple[Job, int]:
+    """Hand the prompts to the engine (a P/D handle checked first); the job and its
+    ``created`` time."""
+    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
+    job = await submit(
+        state,
+        request_id,
+        prompt_ids,
+        params,
+        stream=bool(body.stream),
+        session_id=session,
+        kv_transfer=body.kv_transfer_params,
+    )
+    return job, int(time.time())
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _chat_plan(
@@ -195,7 +219,8 @@ async def _chat_stream(
 ) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage_info: dict[str, Any] | None = None) -> bytes:
         return sse_event(
-            mapping.chat_chunk(
+            mapping.stream_chunk(
+                mapping.CHAT_CHUNK,
                 request_id=request_id,
                 created=created,
                 model=model,
@@ -257,8 +282,7 @@ async def _chat_stream(
             )
         yield DONE
     except APIError as err:  # the engine failed mid-stream: say so in-band, then end the stream
-        yield sse_event(error_body(err.status, err.message, code=err.code))
-        yield DONE
+        yield error_event(err.body())
     finally:
         if not job.finished:
             job.abort_unfinished()
@@ -267,9 +291,7 @@ async def _chat_stream(
 @router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Raw-prompt completions (one or more prompts; ``n`` choices each)."""
-    state = get_state(request)
-    _note_ignored("/v1/completions", body)
-    model = state.check_model(body.model)
+    state, model = _open(request, body, "/v1/completions")
     mapping.check_completion_request(body)
     params = mapping.sampling_params(
         body, vocab_size=state.vocab_size, default_max_tokens=16, logprobs=body.logprobs
@@ -291,20 +313,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
         )
-    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
-    job = await submit(
-        state,
-        request_id,
-        prompt_ids,
-        params,
-        stream=bool(body.stream),
-        session_id=session,
-        kv_transfer=body.kv_transfer_params,
-    )
-    created = int(time.time())
+    job, created = await _submit(state, request, body, request_id, prompt_ids, params, session)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return _event_stream(
             _completion_stream(
                 state,
                 job,
@@ -314,16 +325,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 model,
                 body.logprobs,
                 echo_texts,
-                include_usage,
+                _include_usage(body),
                 bool(body.return_token_ids),
-            ),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            )
         )
-    try:
-        outputs = await job.collect(request)
-    except ClientDisconnected:
-        return JSONResponse(error_body(499, "client disconnected"), status_code=499)
+    outputs = await job.collect(request)
     return _with_handoff(
         state,
         mapping.completion_response(
@@ -390,7 +396,8 @@ async def _completion_stream(
                     choices.append(choice)
             if choices:
                 yield sse_event(
-                    mapping.completion_chunk(
+                    mapping.stream_chunk(
+                        mapping.COMPLETION_CHUNK,
                         request_id=request_id,
                         created=created,
                         model=model,
@@ -406,14 +413,18 @@ async def _completion_stream(
                 sum(o.num_cached_tokens for o in outs),
             )
             yield sse_event(
-                mapping.completion_chunk(
-                    request_id=request_id, created=created, model=model, choices=[], usage_info=u
+                mapping.stream_chunk(
+                    mapping.COMPLETION_CHUNK,
+                    request_id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage_info=u,
                 )
             )
         yield DONE
     except APIError as err:
-        yield sse_event(error_body(err.status, err.message, code=err.code))
-        yield DONE
+        yield error_event(err.body())
     finally:
         if not job.finished:
             job.abort_unfinished()

@@ -18,5 +18,11 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     )
 
 
+def error_event(body: dict[str, Any]) -> bytes:
+    """An error in the OpenAI shape as the stream's last event, then ``[DONE]``: the tokens
+    already sent cannot be unsent, and the ``openai`` client raises on this event."""
+    return sse_event(body) + DONE
+
+
 def ndjson_line(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

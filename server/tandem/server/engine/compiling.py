@@ -6,12 +6,13 @@ is what keeps a slow schema from stalling every other request.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .kv_transfer import RemotePrefill
-from .request import Request
-from .structured import GrammarCache
+from .request import Request, RequestStatus
+from .structured import GrammarCache, GrammarSpec
 
 
 @dataclass
@@ -19,6 +20,13 @@ class Compiling:
     group: list[Request]
     remote: RemotePrefill | None
     grammar: Future
+
+    def fail(self) -> None:
+        """The grammar did not compile: the group ends, aborted, with the compiler's error."""
+        self.group[0].error = str(self.grammar.exception())
+        for req in self.group:
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = time.monotonic()
 
 
 class CompilingGroups:
@@ -28,6 +36,16 @@ class CompilingGroups:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def submit(self, spec: GrammarSpec | None) -> Future | None:
+        """Start compiling ``spec`` (None without one); a grammar that already failed is
+        this request's 400, raised here."""
+        if spec is None:
+            return None
+        grammar = self.grammars.submit(spec)
+        if grammar.done():
+            grammar.result()
+        return grammar
 
     def hold(self, group: list[Request], remote: RemotePrefill | None, grammar: Future) -> None:
         self._held.append(Compiling(group, remote, grammar))

@@ -5,7 +5,8 @@ blocks go under a lease instead of back to the pool and its output carries the h
 Decode: a request with a ``do_remote_prefill`` handle takes the prefill's first token as its
 own and waits here until it gets blocks; then a ``PullTask`` is queued for the host to run
 off the engine thread (the I/O lives in ``tandem.server.disagg``), which reports back with
-``complete_pull``. Bookkeeping only: nothing here does I/O.
+``complete_pull``. When that first token already ends the request (EOS, a stop string,
+``max_tokens: 1``), it finishes at once and its task pulls no blocks, only releases the lease. Bookkeeping only: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -94,15 +95,17 @@ class KVHandoff:
         req.block_ids, req.block_hashes = [], []
 
     # ----- decode side --------------------------------------------------------------------
-    def start(self, req: Request, remote: RemotePrefill) -> None:
-        """The prefill engine already sampled the first token: take it as ours, wait for blocks."""
-        req.remote_prefill = remote
-        token = remote.first_token_ids[0]
-        req.output_token_ids.append(token)
-        req.first_token_time = time.monotonic()
-        if req.detokenizer is not None:
-            req.detokenizer.add([token])
+    def wait_for_blocks(self, req: Request) -> None:
+        """A decode request holding the prefill's first token waits here for blocks to pull into."""
         self.waiting.append(req)
+
+    def release_unpulled(self, req: Request) -> None:
+        """The first token ended the request: the host only releases the prefill's lease
+        (a pull of no blocks), so no engine holds blocks for nobody."""
+        remote = req.remote_prefill
+        self._tasks.append(
+            PullTask(req.request_id, remote.address, remote.lease_id, remote.engine_id, [], [])
+        )
 
     def admit(self) -> None:
         """Give waiting requests blocks (local prefix hits first, so only the tail is pulled)."""

@@ -4,11 +4,27 @@ run at once."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .sampling_params import InvalidParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .models.config import ModelConfig
 
 
 class PromptTooLongError(InvalidParamError):
     """The prompt (plus max_tokens) does not fit the model's context: the API's 413/400."""
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> int:
+    """The longest sequence (prompt and output): the config's cap, the model's, and what the
+    KV cache holds (block 0 is the null page)."""
+    return min(
+        config.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+        (num_blocks - 1) * config.block_size,
+    )
 
 
 def check_request(

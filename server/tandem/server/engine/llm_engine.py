@@ -6,8 +6,6 @@ One thread drives it (``step``); the API layer feeds it through ``add_request`` 
 
 from __future__ import annotations
 
-import itertools
-import random
 import time
 from concurrent.futures import Future
 
@@ -15,17 +13,16 @@ import torch
 
 from .compiling import CompilingGroups
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
-from .kv_cache import KVCache
+from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
-from .limits import check_pooled, check_request
-from .models.config import ModelConfig, eos_token_ids
+from .limits import max_model_len
+from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
-from .pooling import PoolingParams, accumulate, check_dimensions, finish, rows_read
-from .request import Request, RequestStatus
+from .pooling import PoolingParams, fold_hidden_rows
+from .request import Request, RequestStatus, TokenLogprob
 from .sampler import sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -33,7 +30,6 @@ from .sessions import SessionStore
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
-from .tokenizer import load_tokenizer
 from .weights import WeightsIdentity, check_compatible
 from .worker import Worker
 
@@ -51,21 +47,18 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.worker = Worker(config, self.model_config)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = frozenset(
-            eos_token_ids(config.model, self.model_config, self.tokenizer)
+        self.device, self.kv_cache = self.worker.runner.device, self.worker.runner.kv_cache
+        num_blocks = self.worker.runner.num_blocks
+        self.max_model_len = max_model_len(config, self.model_config, num_blocks)
+        self.inputs = InputProcessor(
+            config, self.model_config, self.max_model_len, self.worker.new_generator
         )
-        num_blocks = self.worker.num_blocks
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            (num_blocks - 1) * config.block_size,
-        )
+        self.tokenizer, self.eos_token_ids = self.inputs.tokenizer, self.inputs.eos_token_ids
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
         self.kv.reclaim = self.sessions.reclaim
-        layout = KVLayout.of(self.model_config, config.block_size, self.worker.dtype)
+        layout = KVLayout.of(self.model_config, config.block_size, self.worker.runner.dtype)
         self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
@@ -74,18 +67,8 @@ class LLMEngine:
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
         self._sleep_level = 0
         self._groups: dict[str, list[Request]] = {}
-        self._arrival = itertools.count()
-        self._rng = random.Random(config.seed)
         self.totals = Totals()
         self.weights = WeightsIdentity(str(config.model))
-
-    @property
-    def device(self) -> torch.device:
-        return self.worker.device
-
-    @property
-    def kv_cache(self) -> KVCache:
-        return self.worker.kv_cache
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(
@@ -102,17 +85,13 @@ class LLMEngine:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
         ``step`` reports a streamed request as deltas when its text grows, any other (whole)
-        only when it finishes.
-        ``kv_transfer`` carries the P/D handoff: ``{"do_remote_decode": true}`` makes this a
-        prefill (one token, blocks kept under a lease); a ``do_remote_prefill`` handle makes it
-        a decode whose prompt K/V is pulled from the prefill engine (see ``KVHandoff``).
-
-        With ``session_id`` the request continues that session: it reuses the session's KV
-        blocks for the prompt prefix they hold, and leaves its own blocks there when done.
-
-        With ``pooling`` the request is prefill-only (an embedding): ``params`` only needs
-        to be valid; it ends when the prompt is computed, its output carries the vector
-        (``RequestOutput.embedding``) and its blocks go back to the pool.
+        only when it finishes. ``kv_transfer`` carries the P/D handoff (see ``KVHandoff``):
+        ``{"do_remote_decode": true}`` makes this a prefill (one token, blocks kept under a
+        lease); a ``do_remote_prefill`` handle, a decode that pulls its prompt's K/V. With
+        ``session_id`` the request continues that session: it reuses the session's KV blocks
+        for the prompt prefix they hold, and leaves its own blocks there when done.
+        With ``pooling`` the request is prefill-only (an embedding): it ends when the prompt
+        is computed, its output carries the vector and its blocks go back to the pool.
         """
         if self._sleep_level:
             raise EngineSleepingError("the engine is asleep; POST /wakeup first")
@@ -122,25 +101,12 @@ class LLMEngine:
             return self._add_pooled(request_id, prompt, params, pooling)
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
-        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        prompt_ids = self.inputs.prompt_ids(prompt)
         params, remote_decode, remote = self.handoff.parse(
             kv_transfer, params, session_id, len(prompt_ids)
         )
-        max_tokens = check_request(
-            prompt_ids,
-            params,
-            vocab_size=self.model_config.vocab_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
-        grammar = None if params.structured is None else self.grammars.submit(params.structured)
-        if grammar is not None and grammar.done():
-            grammar.result()  # a grammar that failed to compile is this request's 400
-        group = [
-            self._new_request(request_id, i, prompt_ids, params, max_tokens, stream)
-            for i in range(params.n)
-        ]
-        group[0].pending_siblings = group[1:]
+        group = self.inputs.group(request_id, prompt_ids, params, stream)
+        grammar = self._compiling.submit(params.structured)
         if session_id is not None:
             group[0].session_id = session_id
             self.sessions.attach(session_id, group[0])
@@ -160,56 +126,11 @@ class LLMEngine:
         params: SamplingParams,
         pooling: PoolingParams,
     ) -> list[int]:
-        prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
-        check_pooled(
-            prompt_ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len
-        )
-        if (why := check_dimensions(pooling.dimensions, self.model_config)) is not None:
-            raise InvalidParamError("dimensions", why)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            max_tokens=0,
-            eos_token_ids=self.eos_token_ids,
-            arrival_order=next(self._arrival),
-            group_id=request_id,
-            arrival_time=time.monotonic(),
-            pooling=pooling.resolve(self.config.pooling),
-        )
+        req = self.inputs.pooled(request_id, self.inputs.prompt_ids(prompt), params, pooling)
         self._groups[request_id] = [req]
         self.scheduler.add(req)
-        self.totals.prompt_tokens += len(prompt_ids)
-        return prompt_ids
-
-    def _new_request(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        stream: bool,
-    ) -> Request:
-        seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
-        return Request(
-            request_id=request_id if params.n == 1 else f"{request_id}-{index}",
-            prompt_token_ids=prompt_ids,
-            params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            arrival_order=next(self._arrival),
-            group_id=request_id,
-            index=index,
-            stream=stream,
-            arrival_time=time.monotonic(),
-            generator=self.worker.new_generator(seed),
-            detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                if stream or params.stop
-                else None
-            ),
-        )
+        self.totals.prompt_tokens += req.num_prompt_tokens
+        return req.prompt_token_ids
 
     def _enqueue(
         self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
@@ -220,11 +141,16 @@ class LLMEngine:
         if remote is None:
             self.scheduler.add(group[0])
             return
-        self.handoff.start(group[0], remote)
-        if group[0].grammar is not None:  # the prefill engine sampled it under the same grammar
-            group[0].grammar.advance(group[0].output_token_ids)
-        if not group[0].params.greedy:  # keep a seeded generator where an aggregated run would be
-            self.worker.skip_draw(group[0].generator)
+        req = group[0]
+        req.remote_prefill = remote
+        if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
+            self.worker.skip_draw(req.generator)
+        # The prefill engine sampled the first token (under the same grammar): take it as ours.
+        if not self._append(req, remote.first_token_ids[0], None):
+            self.handoff.wait_for_blocks(req)
+            return
+        self.handoff.release_unpulled(req)  # that token ended it: nothing to pull
+        self._report_between_steps(req.group_id)
 
     def _admit_compiled(self) -> None:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
@@ -232,14 +158,10 @@ class LLMEngine:
             if c.grammar.exception() is None:
                 self._enqueue(c.group, c.remote, c.grammar)
                 continue
-            c.group[0].error = str(c.grammar.exception())
-            for req in c.group:
-                req.status = RequestStatus.FINISHED_ABORTED
-                req.finished_time = time.monotonic()
+            c.fail()
             if c.group[0].session_id is not None:
                 self.sessions.detach(c.group[0].session_id, c.group[0], keep_blocks=False)
-            if (out := self._group_output(c.group[0].group_id)) is not None:
-                self._ready_outputs.append(out)
+            self._report_between_steps(c.group[0].group_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False if it is unknown or done."""
@@ -265,12 +187,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work; requests waiting on a KV pull are not work until it lands."""
-        return bool(
-            len(self.scheduler)
-            or self.handoff.waiting
-            or self._ready_outputs
-            or len(self._compiling)
-        )
+        pending = len(self.scheduler) + len(self.handoff.waiting) + len(self._compiling)
+        return bool(pending or self._ready_outputs)
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -286,6 +204,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
         if sampling:
+            self.totals.generated_tokens += len(sampling)
             out = sample(logits, sampling)
             for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
                 self._append(req, token, lp)
@@ -294,27 +213,17 @@ class LLMEngine:
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
-        """Fold each pooled request's hidden rows (in batch order) into its state; one whose
-        prompt is now computed finishes with its vector and frees its blocks."""
-        done: list[str] = []
-        offset = 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.pooling is None:
-                continue
-            kind, end = req.pooling.kind, req.num_computed_tokens  # after the update
-            count = len(rows_read(kind, end - n, end, req.num_tokens))
-            req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
-            offset += count
-            if end == req.num_tokens:
-                req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
-                req.finished_time = time.monotonic()
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                done.append(req.group_id)
-        return done
+        """Pooled requests whose prompt is now computed finish with their vector."""
+        done = fold_hidden_rows(batch.requests, batch.num_new_tokens, hidden)
+        for req in done:
+            req.finished_time = time.monotonic()
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return [req.group_id for req in done]
 
-    def _append(self, req: Request, token: int, logprob: object) -> None:
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
+        """Add a sampled token; finish ``req`` if it ends it, and say whether it did."""
         if req.pending_siblings:
-            self._fork_siblings(req)
+            self.scheduler.fork_siblings(req)
         req.output_token_ids.append(token)
         if req.grammar is not None:
             req.grammar.advance(req.output_token_ids)
@@ -322,26 +231,19 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if logprob is not None:
             req.logprobs.append(logprob)
-        self.totals.generated_tokens += 1
         status, reason = check_stop(req, token, self.max_model_len)
-        if status is not None:
-            req.stop_reason = reason
-            if req.detokenizer is not None and req.stop_text_end is None:
-                req.detokenizer.finish()
-            if req.session_id is not None:
-                self.sessions.detach(req.session_id, req, keep_blocks=True)
-            if req.remote_decode:
-                self.handoff.grant_lease(req)
-            req.finished_time = time.monotonic()
-            self.scheduler.finish(req, status)
-
-    def _fork_siblings(self, leader: Request) -> None:
-        """Siblings of an n > 1 request share the leader's full prompt blocks from here on."""
-        shared = (leader.num_prompt_tokens - 1) // self.config.block_size
-        for sib in leader.pending_siblings:
-            self.kv.fork(leader, sib, shared)
-            self.scheduler.add_running(sib)
-        leader.pending_siblings = []
+        if status is None:
+            return False
+        req.stop_reason = reason
+        if req.detokenizer is not None and req.stop_text_end is None:
+            req.detokenizer.finish()
+        if req.session_id is not None:
+            self.sessions.detach(req.session_id, req, keep_blocks=True)
+        if req.remote_decode:
+            self.handoff.grant_lease(req)
+        req.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+        return True
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
         group = self._groups.get(group_id)
@@ -351,12 +253,17 @@ class LLMEngine:
             del self._groups[group_id]
         return group_output(group_id, group, self.tokenizer)
 
+    def _report_between_steps(self, group_id: str) -> None:
+        """A group that changed outside ``step`` is reported by the next one."""
+        if (out := self._group_output(group_id)) is not None:
+            self._ready_outputs.append(out)
+
     # ----- prefill/decode disaggregation ---------------------------------------------------
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
         """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
         req = self.handoff.complete_pull(request_id, error)
-        if req is not None and (out := self._group_output(req.group_id)) is not None:
-            self._ready_outputs.append(out)
+        if req is not None:
+            self._report_between_steps(req.group_id)
 
     # ----- sessions and sleep --------------------------------------------------------------
     @property
@@ -377,9 +284,7 @@ class LLMEngine:
             raise EngineBusyError(
                 f"{len(self._groups)} requests are in flight; abort them before sleeping"
             )
-        self.sessions.clear()
-        self.handoff.leases.clear()
-        self.kv.pool.reset_prefix_cache()
+        self._drop_cached_kv()
         self.worker.sleep(level)
         self._sleep_level = level
 
@@ -401,11 +306,15 @@ class LLMEngine:
             )
         check_compatible(self.model_config, path)
         self.worker.load_weights(path)
+        self._drop_cached_kv()
+        self.weights = self.weights.updated(str(path), label)
+        return self.weights
+
+    def _drop_cached_kv(self) -> None:
+        """Sessions, P/D leases and the prefix cache: every block no request holds."""
         self.sessions.clear()
         self.handoff.leases.clear()
         self.kv.pool.reset_prefix_cache()
-        self.weights = self.weights.updated(str(path), label)
-        return self.weights
 
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,30 +60,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
-# Weights that live in memory instead of files, by model directory (benchmarks on random weights).
-_IN_MEMORY: dict[Path, Mapping[str, torch.Tensor]] = {}
-
-
-def register_in_memory_weights(model_dir: str | Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load ``model_dir`` (its config.json, tokenizer) with these tensors instead of its safetensors.
-
-    The tensors are copied into the model (converted and sharded as file weights are), so the
-    caller may free them after the engine is built. ``forget_in_memory_weights`` undoes it.
-    """
-    _IN_MEMORY[Path(model_dir).resolve()] = tensors
-
-
-def forget_in_memory_weights(model_dir: str | Path) -> None:
-    _IN_MEMORY.pop(Path(model_dir).resolve(), None)
-
-
 def _checkpoint_tensors(model_dir: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if gguf_loader.is_gguf(model_dir):
         yield from gguf_loader.gguf_tensors(model_dir, cfg)
-        return
-    in_memory = _IN_MEMORY.get(model_dir.resolve())
-    if in_memory is not None:
-        yield from in_memory.items()
         return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -1,9 +1,16 @@
-"""Runs one scheduled batch through the model: flat inputs in, logits of the sampling rows out
-(and the final-norm hidden states of the rows a pooled request reads, without their logits).
+"""One tensor-parallel rank's device state and forward pass: flat inputs in, logits of the
+sampling rows out (and the final-norm hidden states of the rows a pooled request reads,
+without their logits).
+
+A ``ModelRunner`` holds what one rank owns: its slice of the weights, its KV heads (the cache
+is sized here, from the config and the device's free memory), its attention backend and its
+captured CUDA graphs; ``run`` forwards one step and ``sleep``/``wake_up`` release and restore
+that memory. ``Worker`` builds rank 0's runner in the engine's process; ``parallel.launch``
+builds the others in theirs.
 
 ``prepare_inputs`` flattens a ``ScheduledBatch`` into plain lists (``StepInputs``): the token
 ids, positions and KV slots of every new token, and each sequence's query length, context
-length and block table. That is all a model shard needs, so under tensor parallelism rank 0
+length and block table. That is all a runner needs, so under tensor parallelism rank 0
 sends exactly this to the other ranks, and every rank runs ``ModelRunner.run`` on it.
 
 Decode-only steps can replay CUDA graphs captured per padded batch size (``capture_graphs``):
@@ -18,15 +25,21 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from .attention import AttentionBackend, BatchLayout
+from .attention import BatchLayout, select_backend
 from .attention.base import SeqShape
 from .block_pool import NULL_BLOCK
+from .config import ConfigError, EngineConfig
+from .kv_cache import KVCache
+from .limits import max_model_len
+from .loader import load_model, reload_weights, resolve_dtype
+from .models.config import ModelConfig
+from .parallel import SINGLE, TensorParallel
 from .pooling import rows_read
 
 if TYPE_CHECKING:
@@ -36,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
+# Kept free on a GPU beside the KV cache for activations, the sampler and the graphs' pool.
+ACTIVATION_RESERVE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -142,20 +157,98 @@ class _Graphs:
 
 
 class ModelRunner:
+    """One rank's weights, KV cache, attention backend and decode graphs."""
+
     def __init__(
-        self, model: nn.Module, backend: AttentionBackend, block_size: int, device: torch.device
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        self.model = model
-        self.backend = backend
-        self.block_size = block_size
+        self.config = config
+        self.model_config = model_config
         self.device = device
+        self.tp = tp
+        self.dtype = resolve_dtype(config.dtype, model_config, device)
+        num_qo_heads = tp.divide(model_config.num_attention_heads, "num_attention_heads")
+        num_kv_heads = tp.divide(model_config.num_key_value_heads, "num_key_value_heads")
+        self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
+        self.model = load_model(config.model, self.dtype, device, tp)
+        self.num_blocks = self._agree(self._num_kv_blocks())
+        self.kv_cache = KVCache(
+            model_config, self.num_blocks, config.block_size, self.dtype, device, num_kv_heads
+        )
+        self.backend = select_backend(
+            config.attention_backend, self.kv_cache, model_config.head_dim**-0.5, num_qo_heads
+        )
         self._graphs: _Graphs | None = None
+        self._capture_graphs()
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Compute the batch's new tokens; returns logits [S, vocab] for the S requests that sample."""
-        inputs, sampling = prepare_inputs(batch, self.block_size)
-        return self.run(inputs), sampling
+    # ----- memory ---------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        """An explicit token count wins; else a fraction of device memory after the weights.
 
+        On a GPU, ``gpu_memory_utilization`` is the share of the device's total memory this
+        engine may hold; what the weights (and anything else on the device) already use, and
+        a reserve for activations, come off it. On CPU: a fraction of available RAM, capped.
+        """
+        cfg = self.config
+        if cfg.kv_cache_tokens is not None:
+            return -(-cfg.kv_cache_tokens // cfg.block_size) + 1
+        per_block = KVCache.bytes_per_block(
+            self.model_config, cfg.block_size, self.dtype, self.tp.size
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = (
+                int(total * cfg.gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE_BYTES
+            )
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(int(available * cfg.gpu_memory_utilization), cfg.max_kv_cache_bytes)
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ConfigError(
+                f"no memory left for the KV cache ({budget} bytes, {per_block} per block)"
+            )
+        return blocks
+
+    def _agree(self, blocks: int) -> int:
+        """Every rank must index the same blocks: take the smallest count any rank can hold."""
+        if self.tp.size == 1:
+            return blocks
+        import torch.distributed as dist
+
+        t = torch.tensor([blocks], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+        return int(t.item())
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache (and parks weights in host memory on a GPU); level 2 drops weights."""
+        self.drop_graphs()  # they point at the memory about to go
+        self.kv_cache.release()
+        if level == 2:
+            self.model.to_empty(device=torch.device("meta"))
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def load_weights(self, path: str) -> None:
+        """Swap in ``path``'s weights (same shapes; see ``loader.reload_weights``)."""
+        reload_weights(self.model, path, self.dtype, self.tp)
+        self.weights_path = path
+
+    def wake_up(self, level: int) -> None:
+        if level == 2:
+            self.model = load_model(self.weights_path, self.dtype, self.device, self.tp)
+        elif self.device.type == "cuda":
+            self.model.to(self.device)
+        self.kv_cache.restore()
+        self._capture_graphs()
+
+    # ----- the forward pass ------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, inputs: StepInputs, compute_logits: bool = True) -> torch.Tensor:
         """Forward one step; logits (float32) of ``inputs.logits_rows`` unless ``compute_logits`` is off."""
@@ -202,6 +295,17 @@ class ModelRunner:
         if self._graphs is None or not inputs.is_decode:
             return None
         return pick_graph_size(inputs.num_seqs, self._graphs.sizes)
+
+    def _capture_graphs(self) -> None:
+        if self.config.enforce_eager or self.device.type != "cuda":
+            return
+        if not self.backend.supports_cuda_graphs:
+            log.info(
+                "the %s attention backend runs decode eagerly (no CUDA graphs)", self.backend.name
+            )
+            return
+        limit = max_model_len(self.config, self.model_config, self.num_blocks)
+        self.capture_graphs(self.config.max_num_seqs, -(-limit // self.config.block_size))
 
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:

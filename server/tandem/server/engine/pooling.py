@@ -19,6 +19,7 @@ from .config import PoolingKind
 
 if TYPE_CHECKING:
     from .models.config import ModelConfig
+    from .request import Request
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,23 @@ def check_dimensions(dimensions: int | None, model: ModelConfig) -> str | None:
     if allowed and dimensions not in allowed:
         return f"this model supports dimensions {sorted(allowed)}"
     return None
+
+
+def fold_hidden_rows(
+    requests: list[Request], num_new_tokens: list[int], hidden: torch.Tensor
+) -> list[Request]:
+    """Fold each pooled request's hidden rows (in batch order, after the scheduler's update)
+    into its state; returns those whose prompt is now computed, with their final vector."""
+    done: list[Request] = []
+    offset = 0
+    for req, n in zip(requests, num_new_tokens):
+        if req.pooling is None:
+            continue
+        kind, end = req.pooling.kind, req.num_computed_tokens
+        count = len(rows_read(kind, end - n, end, req.num_tokens))
+        req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
+        offset += count
+        if end == req.num_tokens:
+            req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
+            done.append(req)
+    return done

@@ -120,10 +120,15 @@ class Scheduler:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
 
-    def add_running(self, req: Request) -> None:
-        """Put a forked sibling straight into the running set; its shared blocks are already held."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+    def fork_siblings(self, leader: Request) -> None:
+        """Siblings of an n > 1 request join the running set sharing the leader's full prompt
+        blocks (called when the leader samples its first token)."""
+        shared = (leader.num_prompt_tokens - 1) // self.kv.block_size
+        for sib in leader.pending_siblings:
+            self.kv.fork(leader, sib, shared)
+            sib.status = RequestStatus.RUNNING
+            self.running.append(sib)
+        leader.pending_siblings = []
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request wherever it is and free its blocks at once."""

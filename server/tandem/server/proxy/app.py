@@ -17,12 +17,10 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Path, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.server.api.auth import (
     PROXY_ADMIN_PATHS,
@@ -37,7 +35,7 @@ from tandem.server.api.edge import (
     install_edge,
     request_id_header,
 )
-from tandem.server.api.errors import validation_message, without_422
+from tandem.server.api.errors import APIError, error_response, install_error_handlers
 from tandem.server.api.mapping import request_owner, session_key
 from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
 from tandem.server.api.protocol import (
@@ -50,7 +48,7 @@ from tandem.server.api.protocol import (
     UpdateWeightsRequest,
 )
 
-from .pd_flow import PATHS, FlowConfig, PDFlow, ProxyError, error_body
+from .pd_flow import PATHS, FlowConfig, PDFlow
 from .registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -150,7 +148,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     )
     app.router.route_class = ParsedJSONRoute
     app.state.proxy = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _add_openai_routes(app)
     _add_node_routes(app)
     _add_ops_routes(app)
@@ -175,54 +173,13 @@ def _credentials(settings: ProxySettings) -> Credentials:
     return Credentials(frozenset(clients), c.internal_key, c.admin_key, keyless_clients=True)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    without_422(app)
-
-    @app.exception_handler(ProxyError)
-    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return JSONResponse(
-            error_body(message, type="invalid_request_error", code="invalid_value", param=param),
-            status_code=400,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            exc.status_code
-        )
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(
-            error_body(
-                f"internal error: {type(exc).__name__}",
-                type="internal_error",
-                code="internal_error",
-            ),
-            status_code=500,
-        )
-
-
 def _json_body(request: Request) -> dict[str, Any]:
     """The body ``JSONBodyGuard`` parsed (a copy: routes add fields), if it is an object."""
     body = parsed_body(request)
     if not isinstance(body, dict):
-        raise ProxyError(
+        raise APIError(
             400,
             "the request body must be a JSON object",
-            type="invalid_request_error",
             code="invalid_value",
         )
     return dict(body)
@@ -236,10 +193,9 @@ def _client_body(body: dict[str, Any], request: Request) -> dict[str, Any]:
     if owner and body.get("session_id") is not None:
         body = {**body, "session_id": session_key(body["session_id"], owner)}
     if "kv_transfer_params" in body:
-        raise ProxyError(
+        raise APIError(
             403,
             "kv_transfer_params belongs to the internal P/D plane and cannot be sent by clients",
-            type="invalid_request_error",
             code="kv_transfer_forbidden",
             param="kv_transfer_params",
         )
@@ -315,20 +271,11 @@ def _add_openai_routes(app: FastAPI) -> None:
         model = body.get("model")
         urls = [n.url for n in state.registry.nodes() if n.healthy and n.serves(model)]
         if not urls and not any(n.serves(model) for n in state.registry.nodes()):
-            raise ProxyError(  # the caller's mistake, not an outage
-                404,
-                f"The model '{model}' does not exist",
-                type="invalid_request_error",
-                code="model_not_found",
-                param="model",
+            raise APIError(  # the caller's mistake, not an outage
+                404, f"The model '{model}' does not exist", code="model_not_found", param="model"
             )
         if not urls:
-            raise ProxyError(
-                503,
-                "no healthy engine serves this model",
-                type="service_unavailable",
-                code="no_engines",
-            )
+            raise APIError(503, "no healthy engine serves this model", code="no_engines")
         headers = {**state.flow.headers, **request_id_header(request)}
 
         async def one(url: str) -> dict[str, Any]:
@@ -353,10 +300,9 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         state = get_state(request)
         if model_id not in state.registry.models():
-            raise ProxyError(
+            raise APIError(
                 404,
                 f"The model '{model_id}' does not exist",
-                type="invalid_request_error",
                 code="model_not_found",
                 param="model",
             )
@@ -386,14 +332,13 @@ def _add_openai_routes(app: FastAPI) -> None:
         flow = state.flow
         held = flow.sessions.get(session_id)
         urls = [held] if held else [n.url for n in state.registry.routable(DECODE_ROLES)]
-        last: Response = JSONResponse(
-            error_body(
+        last: Response = error_response(
+            APIError(
+                404,
                 f"session {session_id!r} does not exist",
-                type="not_found_error",
                 code="session_not_found",
                 param="session_id",
-            ),
-            status_code=404,
+            )
         )
         silent = ""  # an engine that did not answer may hold it: not a 404 then
         for url in urls:
@@ -410,10 +355,9 @@ def _add_openai_routes(app: FastAPI) -> None:
                 flow.sessions.forget(session_id)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
         if silent:
-            raise ProxyError(
+            raise APIError(
                 503,
                 f"an engine that may hold session {session_id!r} did not answer ({silent})",
-                type="service_unavailable",
                 code="no_engine_available",
             )
         return last
@@ -435,19 +379,17 @@ def _add_node_routes(app: FastAPI) -> None:
     def node_fields(body: dict[str, Any]) -> tuple[str, str, list[str] | None]:
         url = body.get("url")
         if not isinstance(url, str) or not url.strip():
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'url' is a required property",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="url",
             )
         status = body.get("status") or {}
         if not isinstance(status, dict):
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'status' must be an object",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status",
             )
@@ -455,10 +397,9 @@ def _add_node_routes(app: FastAPI) -> None:
         try:
             role_name = parse_role(role)
         except ValueError as exc:
-            raise ProxyError(
+            raise APIError(
                 400,
                 str(exc),
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status.role",
             ) from exc
@@ -466,19 +407,16 @@ def _add_node_routes(app: FastAPI) -> None:
         if models is not None and not (
             isinstance(models, list) and all(isinstance(m, str) for m in models)
         ):
-            raise ProxyError(
+            raise APIError(
                 400,
                 "'models' must be a list of strings",
-                type="invalid_request_error",
                 code="invalid_value",
                 param="status.models",
             )
         try:
             return normalize_url(url), role_name, models
         except ValueError as exc:
-            raise ProxyError(
-                400, str(exc), type="invalid_request_error", code="invalid_value", param="url"
-            ) from exc
+            raise APIError(400, str(exc), code="invalid_value", param="url") from exc
 
     @app.post("/nodes/add")
     async def add_node(request: Request) -> dict[str, Any]:
@@ -515,10 +453,9 @@ def _add_node_routes(app: FastAPI) -> None:
         address a caller names and echoes nothing it read (no SSRF)."""
         node = state.registry.remove(url)
         if node is None:
-            raise ProxyError(
+            raise APIError(
                 404,
                 f"{url} is not a registered engine",
-                type="invalid_request_error",
                 code="node_not_found",
                 param="url",
             )

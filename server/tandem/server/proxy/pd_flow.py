@@ -7,7 +7,9 @@ The two-step flow (docs/proxy.md, "The two-step flow"):
    on the KV blocks it keeps for the decode side;
 2. the decode engine D gets the client's original request plus P's ``kv_transfer_params``
    (and P's URL); it pulls the blocks, releases P's lease and answers as any engine would,
-   streamed or not. The proxy passes D's answer through untouched, chunk by chunk.
+   streamed or not (when P's one token already ended the request, D answers with it and
+   only releases the lease). The proxy passes D's answer through untouched, chunk by chunk:
+   it reads ``kv_transfer_params`` out of P's answer and nothing else out of any body.
 
 Failure rules, so that no engine holds blocks for nobody:
 
@@ -31,17 +33,19 @@ import copy
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.server.api.edge import request_id_header
+from tandem.server.api.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.api.sse import SSE_HEADERS, error_event, ndjson_line
 
 from . import routing
 from .registry import DECODE_ROLES, PREFILL_ROLES, Node, Registry
@@ -67,53 +71,10 @@ PATHS = {
     "detokenize": "/detokenize",
 }
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.2
 # Statuses after which the same request may succeed on another engine (nothing ran there).
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 RETRY_AFTER_SECONDS = 15  # a 503 for want of engines: about one autoscaler poll
-
-
-class ProxyError(Exception):
-    """An error the proxy answers with, in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param)
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(self.retry_after)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
-
-
-def error_body(
-    message: str, *, type: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "code": code, "param": param}}
-
-
-class ClientGone(Exception):
-    """The client disconnected while the proxy waited on an engine."""
 
 
 @dataclass
@@ -249,13 +210,9 @@ class PDFlow:
         mode = "direct"
         try:
             response, mode = await self._handle(kind, body, request)
-        except ProxyError as err:
-            response = err.response()
-        except ClientGone:
-            self.stats.client_disconnects += 1
-            response = JSONResponse(
-                error_body("client disconnected", type="client_disconnected"), status_code=499
-            )
+        except APIError as err:
+            self.stats.client_disconnects += isinstance(err, ClientDisconnected)
+            response = error_response(err)
         self.stats.count(kind, mode, response.status_code)
         self.stats.latency_sum += time.monotonic() - start
         self.stats.latency_count += 1
@@ -266,13 +223,7 @@ class PDFlow:
     ) -> tuple[Response, str]:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise ProxyError(
-                400,
-                "'model' must be a string",
-                type="invalid_request_error",
-                code="invalid_value",
-                param="model",
-            )
+            raise APIError(400, "'model' must be a string", code="invalid_value", param="model")
         decoders = self.registry.routable(DECODE_ROLES, model)
         if not decoders:
             self._raise_unroutable(model)
@@ -318,23 +269,21 @@ class PDFlow:
         nodes = self.registry.nodes()
         if model not in (None, "", "default") and nodes and not any(n.serves(model) for n in nodes):
             served = sorted({m for n in nodes for m in n.models})
-            raise ProxyError(
+            raise APIError(
                 404,
                 f"The model '{model}' does not exist; this proxy serves "
                 f"{', '.join(repr(m) for m in served) or 'no model yet'}",
-                type="invalid_request_error",
                 code="model_not_found",
                 param="model",
             )
         # Scaled to zero, or starting: this request is the demand that activates the pool
         # (the unserved counter); the client is told when to come back.
         self.stats.unserved += 1
-        raise ProxyError(
+        raise APIError(
             503,
             "no engine is running to serve this request (no healthy decode or aggregated "
             "engine" + (f" for model {model!r}" if model else "") + "); if the pool is "
             f"scaled to zero it is starting now: retry after {RETRY_AFTER_SECONDS} seconds",
-            type="service_unavailable",
             code="no_engine_available",
             retry_after=RETRY_AFTER_SECONDS,
         )
@@ -352,40 +301,53 @@ class PDFlow:
     ) -> Response:
         """Send the request as is to ``first``; on a connect failure or a retryable status,
         to the next best of ``alternatives``."""
-        tried: set[str] = set()
-        node: Node | None = first
         last_error = "no engine tried"
-        while node is not None and len(tried) < self.config.max_attempts:
-            tried.add(node.url)
+        for node in self._attempts(alternatives, chunks, 0, set(), first):
             try:
                 resp = await self._open(node, kind, body, request)
             except _Unreachable as exc:
                 last_error = str(exc)
                 self.registry.record_failure(node.url, last_error)
-            else:
-                if resp.status_code in RETRYABLE_STATUS:
-                    last_error = f"{node.url} answered {resp.status_code}"
-                    await resp.aclose()
-                else:
-                    self.prefix.record(node.url, chunks)
-                    if session_key is not None and resp.status_code < 400:
-                        self.sessions.set(session_key, node.url)
-                    return await self._relay(node, resp, request, body)
-            rest = [n for n in alternatives if n.healthy and n.url not in tried]
-            picked = self._pick(rest, chunks, 0) if rest else None
-            node = picked[0] if picked else None
-        raise ProxyError(
-            503,
-            f"no engine could take the request: {last_error}",
-            type="service_unavailable",
-            code="no_engine_available",
+                continue
+            if resp.status_code in RETRYABLE_STATUS:
+                last_error = f"{node.url} answered {resp.status_code}"
+                await resp.aclose()
+                continue
+            self.prefix.record(node.url, chunks)
+            if session_key is not None and resp.status_code < 400:
+                self.sessions.set(session_key, node.url)
+            return await self._relay(node, resp, request, body)
+        raise APIError(
+            503, f"no engine could take the request: {last_error}", code="no_engine_available"
         )
+
+    def _attempts(
+        self,
+        nodes: list[Node],
+        chunks: list[bytes],
+        prompt_tokens: int,
+        tried: set[str],
+        first: Node | None = None,
+    ) -> Iterator[Node]:
+        """The nodes to try in turn: ``first``, then the best healthy node of ``nodes`` not in
+        ``tried``, until ``max_attempts`` are tried or none is left. Each joins ``tried``."""
+        node = first
+        while len(tried) < self.config.max_attempts:
+            if node is None:
+                rest = [n for n in nodes if n.healthy and n.url not in tried]
+                picked = self._pick(rest, chunks, prompt_tokens)
+                if picked is None:
+                    return
+                node = picked[0]
+            tried.add(node.url)
+            yield node
+            node = None
 
     async def _open(
         self, node: Node, kind: str, body: dict[str, Any], request: Request, path: str | None = None
     ) -> httpx.Response:
         """Send the request and wait for the status line (streamed body left open), watching
-        the client: if it leaves, the upstream request is cancelled and ClientGone raised."""
+        the client: if it leaves, the upstream request is cancelled and ClientDisconnected raised."""
         req = self.client.build_request(
             "POST",
             node.url + (path or PATHS[kind]),
@@ -431,7 +393,7 @@ class PDFlow:
                 got = True
             except httpx.HTTPError as exc:
                 self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
-                raise ProxyError(
+                raise APIError(
                     502,
                     f"the engine at {node.url} failed mid-request: {type(exc).__name__}: {exc}",
                     type="upstream_error",
@@ -460,16 +422,17 @@ class PDFlow:
                 self.stats.decode_failures += 1
                 log.warning("engine %s failed mid-stream: %s", node.url, exc)
                 err = error_body(
+                    502,
                     f"the engine at {node.url} failed mid-stream: {type(exc).__name__}: {exc}",
                     type="upstream_error",
                     code="engine_failed",
                 )
                 if media == "application/x-ndjson":
                     sep = b"" if tail.endswith(b"\n") else b"\n"
-                    yield sep + json.dumps({**err, "done": True}).encode() + b"\n"
+                    yield sep + ndjson_line({**err, "done": True})
                 else:
                     sep = b"" if tail == b"\n\n" else b"\n\n"
-                    yield sep + b"data: " + json.dumps(err).encode() + b"\n\n" + DONE
+                    yield sep + error_event(err)
             finally:
                 node.inflight -= 1
                 with anyio.CancelScope(shield=True):
@@ -494,16 +457,8 @@ class PDFlow:
         decoders: list[Node],
     ) -> tuple[Response, str]:
         prefill_body = prefill_request(body)
-        tried: set[str] = set()
         answer: dict[str, Any] | None = None
-        prefill: Node | None = None
-        while len(tried) < self.config.max_attempts:
-            rest = [n for n in prefillers if n.healthy and n.url not in tried]
-            picked = self._pick(rest, chunks, prompt_tokens) if rest else None
-            if picked is None:
-                break
-            prefill = picked[0]
-            tried.add(prefill.url)
+        for prefill in self._attempts(prefillers, chunks, prompt_tokens, set()):
             try:
                 resp = await self._open(prefill, kind, prefill_body, request)
                 try:
@@ -526,17 +481,14 @@ class PDFlow:
                     )
                 continue
             if resp.status_code >= 400:  # the request itself is wrong: any engine would say so
-                headers = {"content-type": resp.headers.get("content-type", "application/json")}
-                return Response(
-                    content, status_code=resp.status_code, headers=headers
-                ), "disaggregated"
+                return _as_response(resp, content), "disaggregated"
             try:
                 answer = json.loads(content)
             except ValueError:
                 log.warning("prefill on %s answered invalid JSON", prefill.url)
                 continue
             break
-        if answer is None or prefill is None:
+        if answer is None:
             self.stats.fallbacks_aggregated += 1
             log.warning(
                 "no prefill engine could take the request; serving it aggregated on %s", decode.url
@@ -546,7 +498,7 @@ class PDFlow:
             ), "aggregated_fallback"
         self.prefix.record(prefill.url, chunks)
 
-        kv = answer.pop("kv_transfer_params", None)
+        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
             # The engine did not hand the KV over (an engine without P/D support): decode aggregated.
             log.warning(
@@ -556,29 +508,19 @@ class PDFlow:
             return await self.forward(
                 decode, kind, body, request, chunks, decoders
             ), "aggregated_fallback"
-        if _finished_by_prefill(answer):
-            self._spawn(self.free_cache(prefill, kv))
-            if body.get("stream"):
-                return _stream_of(kind, answer, body), "disaggregated"
-            return JSONResponse(answer), "disaggregated"
 
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = {**kv, "remote_engine_url": prefill.url}
-        tried_d: set[str] = set()
-        node: Node | None = decode
-        while node is not None and len(tried_d) < self.config.max_attempts:
-            tried_d.add(node.url)
+        tried: set[str] = set()
+        for node in self._attempts(decoders, chunks, prompt_tokens, tried, decode):
             try:
                 resp = await self._open(node, kind, decode_body, request)
             except _Unreachable as exc:
                 self.stats.decode_failures += 1
                 self.registry.record_failure(node.url, str(exc))
                 log.warning("decode on %s unreachable (%s)", node.url, exc)
-                rest = [n for n in decoders if n.healthy and n.url not in tried_d]
-                picked = self._pick(rest, chunks, prompt_tokens) if rest else None
-                node = picked[0] if picked else None
                 continue
-            except ClientGone:
+            except ClientDisconnected:
                 self._spawn(self.free_cache(prefill, kv))
                 raise
             if resp.status_code >= 400:
@@ -587,14 +529,10 @@ class PDFlow:
                 self._spawn(self.free_cache(prefill, kv))
                 if resp.status_code != 502:
                     return await self._relay(node, resp, request, body), "disaggregated"
-                try:
-                    content = await watch_client(resp.aread(), request)
-                finally:
-                    await resp.aclose()
-                if not _kv_transfer_failed(content):
-                    return _as_response(resp, content), "disaggregated"
-                # The pull from P failed (P died or hung after answering): P is suspect, and D
-                # recomputes the prompt itself. Never the same failed pair again.
+                await resp.aclose()
+                # An engine answers a generation 502 only when its KV pull failed (P died or
+                # hung after answering): P is suspect, and D recomputes the prompt itself.
+                # Never the same failed pair again.
                 self.stats.prefill_failures += 1
                 self.registry.record_failure(
                     prefill.url, "a decode engine's KV pull from it failed"
@@ -619,24 +557,13 @@ class PDFlow:
             return await self._relay(node, resp, request, body, on_end=on_end), "disaggregated"
         # No decode engine took the handoff: release P's blocks and run the whole request elsewhere.
         self._spawn(self.free_cache(prefill, kv))
-        rest = [n for n in decoders if n.healthy and n.url not in tried_d]
+        rest = [n for n in decoders if n.healthy and n.url not in tried]
         if not rest:
-            raise ProxyError(
-                503,
-                "no decode engine could take the request",
-                type="service_unavailable",
-                code="no_engine_available",
+            raise APIError(
+                503, "no decode engine could take the request", code="no_engine_available"
             )
         self.stats.fallbacks_aggregated += 1
         return await self.forward(rest[0], kind, body, request, chunks, rest), "aggregated_fallback"
-
-
-def _kv_transfer_failed(content: bytes) -> bool:
-    try:
-        error = json.loads(content).get("error") or {}
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("code") == "kv_transfer_error"
 
 
 def _as_response(resp: httpx.Response, content: bytes) -> Response:
@@ -650,7 +577,7 @@ class _Unreachable(Exception):
 
 async def watch_client(aw: Awaitable[T], request: Request | None) -> T:
     """Await ``aw`` unless the client disconnects first; then cancel it (closing the upstream
-    connection, which makes the engine abort) and raise ClientGone."""
+    connection, which makes the engine abort) and raise ClientDisconnected."""
     task = asyncio.ensure_future(aw)
     try:
         while True:
@@ -658,7 +585,7 @@ async def watch_client(aw: Awaitable[T], request: Request | None) -> T:
             if done:
                 return task.result()
             if request is not None and await request.is_disconnected():
-                raise ClientGone()
+                raise ClientDisconnected()
     finally:
         if not task.done():
             task.cancel()
@@ -675,81 +602,3 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     out["kv_transfer_params"] = {"do_remote_decode": True}
     return out
-
-
-def _finished_by_prefill(answer: dict[str, Any]) -> bool:
-    """P's one token ended the request (EOS or a stop string): D has nothing to add."""
-    choices = answer.get("choices") or []
-    return bool(choices) and all(
-        c.get("finish_reason") == "stop" for c in choices if isinstance(c, dict)
-    )
-
-
-def _stream_of(kind: str, answer: dict[str, Any], body: dict[str, Any]) -> StreamingResponse:
-    """A complete non-streamed answer as the SSE stream a streaming client expects."""
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    base = {
-        "id": answer.get("id"),
-        "created": answer.get("created", int(time.time())),
-        "model": answer.get("model"),
-    }
-    events: list[dict[str, Any]] = []
-    if kind == "chat":
-        base["object"] = "chat.completion.chunk"
-        choices = answer.get("choices") or []
-        events.append(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": c.get("index", 0),
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for c in choices
-                ],
-            }
-        )
-        events.append(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": c.get("index", 0),
-                        "delta": {"content": (c.get("message") or {}).get("content")}
-                        if (c.get("message") or {}).get("content")
-                        else {},
-                        "logprobs": None,
-                        "finish_reason": c.get("finish_reason"),
-                    }
-                    for c in choices
-                ],
-            }
-        )
-    else:
-        base["object"] = "text_completion"
-        events.append(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": c.get("index", 0),
-                        "text": c.get("text", ""),
-                        "logprobs": None,
-                        "finish_reason": c.get("finish_reason"),
-                    }
-                    for c in answer.get("choices") or []
-                ],
-            }
-        )
-    if include_usage:
-        events.append({**base, "choices": [], "usage": answer.get("usage")})
-    data = (
-        b"".join(
-            b"data: " + json.dumps(e, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-            for e in events
-        )
-        + DONE
-    )
-    return StreamingResponse(iter([data]), media_type="text/event-stream", headers=SSE_HEADERS)

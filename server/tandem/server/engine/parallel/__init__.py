@@ -40,3 +40,10 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r of a pod uses GPU ``base.index + r``; CPU ranks share the CPU."""
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)

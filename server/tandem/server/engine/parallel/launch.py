@@ -1,11 +1,11 @@
 """Start the tensor-parallel ranks of one engine and carry each step from rank 0 to them.
 
 Rank 0 is the engine's own process (its ``Worker``). Ranks 1..N-1 are spawned processes
-(``spawn``, never ``fork``: CUDA and threads do not survive a fork) that build their shard
-and then loop: receive a message from rank 0, act on it. Messages are Python objects
-broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
-``("wake_up", level)``, ``("load_weights", path)``, ``("stop",)``); the model's all-reduces go over the device group
-(NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
+(``spawn``, never ``fork``: CUDA and threads do not survive a fork) that build their
+``ModelRunner`` and then loop: receive a message from rank 0, act on it. Messages are Python
+objects broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
+``("wake_up", level)``, ``("load_weights", path)``, ``("stop",)``); the model's all-reduces
+go over the device group (NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
 
 Cleanup is the launcher's job, whatever happens: ``close`` stops the ranks, joins them, kills
 what does not exit, and destroys the process group; it also runs when the ``Worker`` is
@@ -28,7 +28,8 @@ import torch
 
 from tandem.server.net import free_port
 
-from . import TensorParallel
+from ..model_runner import ModelRunner
+from . import TensorParallel, rank_device
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -91,8 +92,6 @@ class RankGroup:
         cls, config: EngineConfig, model_config: ModelConfig, device: torch.device
     ) -> RankGroup:
         import torch.multiprocessing as mp
-
-        from ..worker import rank_device
 
         size = config.tensor_parallel_size
         if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
@@ -237,16 +236,14 @@ def rank_main(
     conn: Any,
     parent_pid: int,
 ) -> None:
-    """A spawned rank: join, build the shard, then serve rank 0's messages until "stop"."""
+    """A spawned rank: join, build its runner, then serve rank 0's messages until "stop"."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     try:
-        from ..worker import Shard
-
         conn.send(("joining", None))
         tp = init_group(rank, size, port, device)
-        shard = Shard(config, model_config, device, tp)
+        runner = ModelRunner(config, model_config, device, tp)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -256,13 +253,13 @@ def rank_main(
             msg = broadcast(None, tp)
             kind = msg[0]
             if kind == "step":
-                shard.run(msg[1], compute_logits=False)
+                runner.run(msg[1], compute_logits=False)
             elif kind == "sleep":
-                shard.sleep(msg[1])
+                runner.sleep(msg[1])
             elif kind == "wake_up":
-                shard.wake_up(msg[1])
+                runner.wake_up(msg[1])
             elif kind == "load_weights":
-                shard.load_weights(msg[1])
+                runner.load_weights(msg[1])
             elif kind == "stop":
                 break
             else:

@@ -3,7 +3,8 @@
 from .config import EngineConfig
 from .limits import PromptTooLongError
 from .llm import LLM
-from .llm_engine import EngineBusyError, EngineSleepingError, LLMEngine
+from .llm_engine import LLMEngine
+from .memory import EngineBusyError, EngineSleepingError
 from .outputs import CompletionOutput, RequestOutput
 from .pooling import PoolingParams
 from .sampling_params import InvalidParamError, SamplingParams

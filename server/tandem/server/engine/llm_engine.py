@@ -18,6 +18,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
 from .limits import max_model_len
+from .memory import DeviceMemory
 from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
@@ -30,16 +31,8 @@ from .sessions import SessionStore
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
-from .weights import WeightsIdentity, check_compatible
+from .weights import WeightsIdentity
 from .worker import Worker
-
-
-class EngineSleepingError(RuntimeError):
-    """The engine's memory is released (sleep mode): the API's 503."""
-
-
-class EngineBusyError(RuntimeError):
-    """An operation that needs an idle engine was asked for while requests are in flight."""
 
 
 class LLMEngine:
@@ -65,10 +58,11 @@ class LLMEngine:
         )
         self._compiling = CompilingGroups(self.grammars)
         self._ready_outputs: list[RequestOutput] = []  # produced between steps
-        self._sleep_level = 0
+        self.memory = DeviceMemory(
+            self.worker, self.kv, self.sessions, self.handoff, self.model_config, str(config.model)
+        )
         self._groups: dict[str, list[Request]] = {}
         self.totals = Totals()
-        self.weights = WeightsIdentity(str(config.model))
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(
@@ -93,8 +87,7 @@ class LLMEngine:
         With ``pooling`` the request is prefill-only (an embedding): it ends when the prompt
         is computed, its output carries the vector and its blocks go back to the pool.
         """
-        if self._sleep_level:
-            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
+        self.memory.check_awake()
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
         if pooling is not None:
@@ -265,56 +258,23 @@ class LLMEngine:
         if req is not None:
             self._report_between_steps(req.group_id)
 
-    # ----- sessions and sleep --------------------------------------------------------------
+    # ----- device memory (docs: engine/memory.py) -----------------------------------------
     @property
     def is_sleeping(self) -> bool:
-        return self._sleep_level > 0
+        return self.memory.level > 0
+
+    @property
+    def weights(self) -> WeightsIdentity:
+        return self.memory.weights
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 1) and the weights too (level 2; reloaded from disk on wake-up).
-
-        On a GPU, level 1 parks the weights in host memory. Sessions and the prefix cache
-        are dropped with the KV memory.
-        """
-        if level not in (1, 2):
-            raise InvalidParamError("level", f"sleep level must be 1 or 2, got {level}")
-        if self._sleep_level:
-            return
-        if self._groups:
-            raise EngineBusyError(
-                f"{len(self._groups)} requests are in flight; abort them before sleeping"
-            )
-        self._drop_cached_kv()
-        self.worker.sleep(level)
-        self._sleep_level = level
+        self.memory.sleep(level, len(self._groups))
 
     def wake_up(self) -> None:
-        if self._sleep_level:
-            self.worker.wake_up(self._sleep_level)
-            self._sleep_level = 0
+        self.memory.wake_up()
 
     def update_weights(self, path: str, label: str | None = None) -> WeightsIdentity:
-        """Replace the model's weights with ``path``'s (a model directory or a GGUF file of
-        the same shapes) while nothing is in flight, then drop every KV block they computed:
-        the prefix cache, sessions and P/D leases. ``WeightsMismatchError`` (nothing changed)
-        when they do not fit, ``EngineBusyError`` while requests are in flight."""
-        if self._sleep_level:
-            raise EngineSleepingError("the engine is asleep; POST /wakeup first")
-        if self._groups:
-            raise EngineBusyError(
-                f"{len(self._groups)} requests are in flight; drain or abort them first"
-            )
-        check_compatible(self.model_config, path)
-        self.worker.load_weights(path)
-        self._drop_cached_kv()
-        self.weights = self.weights.updated(str(path), label)
-        return self.weights
-
-    def _drop_cached_kv(self) -> None:
-        """Sessions, P/D leases and the prefix cache: every block no request holds."""
-        self.sessions.clear()
-        self.handoff.leases.clear()
-        self.kv.pool.reset_prefix_cache()
+        return self.memory.update_weights(path, label, len(self._groups))
 
     def close(self) -> None:
         """Stop the device side (tensor-parallel ranks included); the engine is unusable after."""

@@ -569,10 +569,12 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 0
         base = f"http://{HOST}:{proxy_port}/v1"
+        # the key itself stays out of the terminal (and its scrollback and logs)
+        auth = ' -H "Authorization: Bearer $TANDEM_PROXY_API_KEY"' if api_key else ""
         print(
             f"\nOpenAI base URL: {base}\n"
             f"  curl {base}/chat/completions -H 'Content-Type: application/json'"
-            f"{' -H ' + repr('Authorization: Bearer ' + api_key) if api_key else ''} \\\n"
+            f"{auth} \\\n"
             f'    -d \'{{"model": "{topology.served_model_name}", "messages": '
             f'[{{"role": "user", "content": "Hello"}}]}}\'\n'
             f"Press Ctrl-C to stop.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -197,7 +197,8 @@ def ollama_sampling_params(
 
 
 def _created_at() -> str:
-    return str(datetime.now())
+    """RFC 3339, as Ollama writes it."""
+    return datetime.now(UTC).isoformat()
 
 
 def _ollama_loaded(model: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -343,8 +343,11 @@ def test_app_auth_validation_and_no_engines() -> None:
     assert _call(app, "GET", "/metrics").status_code == 200
     r = _call(app, "POST", "/v1/chat/completions", json={"messages": []}, headers=auth)
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    r = _call(app, "POST", "/v1/completions", content=b"{not json", headers=auth)
+    as_json = {**auth, "Content-Type": "application/json"}
+    r = _call(app, "POST", "/v1/completions", content=b"{not json", headers=as_json)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = _call(app, "POST", "/v1/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 415  # no Content-Type: what to send, before what is wrong in it
     r = _call(app, "POST", "/v1/completions", json=[1, 2], headers=auth)
     assert r.status_code == 400
     r = _call(app, "POST", "/nodes/add", json={"status": {"role": 2}}, headers=auth)

@@ -204,6 +204,9 @@ BAD_BODIES = {
     + json.dumps({str(i): 1.0 for i in range(2000)})
     + "}",
     "newline session id": COMPLETION + ', "session_id": "a\\nb"}',
+    "token id over int64, echoed": COMPLETION[: COMPLETION.index(', "prompt"')]
+    + ', "echo": true, "prompt": [[1, 69841568264764841984]]}',
+    "negative token id": COMPLETION[: COMPLETION.index(', "prompt"')] + ', "prompt": [-3]}',
 }
 
 BAD_CHATS = {
@@ -267,6 +270,14 @@ def test_every_route_refuses_bad_input_with_a_4xx(plane, server: str) -> None:
     )
     assert "Content-Type" in _is_error(r, 415)["message"]
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_weights_path_the_os_refuses_is_not_found(plane) -> None:
+    """A file name over the OS's limit made ``Path.exists`` raise (a 500 at the fuzz)."""
+    engine, _ = plane
+    body = json.dumps({"model_path": "0" * 3000})
+    err = _is_error(_raw(engine.url, "/update_weights", body, key=ADMIN), 404)
+    assert err["code"] == "weights_not_found"
 
 
 def test_p2p_connect_with_an_empty_address_is_a_400(plane) -> None:

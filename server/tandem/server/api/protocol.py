@@ -29,7 +29,9 @@ Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
 Temperature = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=100.0)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_LEN)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)]
-TokenIds = Annotated[list[int], Field(max_length=MAX_TOKEN_IDS)]
+# A token id is a vocabulary index: huge ints overflowed the tokenizer's C long (a 500).
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
 SessionId = (
     Annotated[str, Field(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")] | int
 )  # printable: it becomes a URL path segment at the proxy
@@ -99,7 +101,7 @@ class SamplingFields(APIModel):
     min_p: Finite | None = None
     seed: int | None = None
     stop: Stop | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: Finite | None = 0.0
     frequency_penalty: Finite | None = 0.0
     repetition_penalty: Finite | None = None
@@ -195,7 +197,7 @@ class GenerateRequest(APIModel):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     stop: Stop | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool | None = False
     return_logprob: bool | None = None
     return_routed_experts: bool | None = False
@@ -289,7 +291,7 @@ class TokenizeRequest(APIModel):
 
 class DetokenizeRequest(APIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # ----- embeddings (OpenAI) and /pooling (LMDeploy, vLLM: the same request) --------------

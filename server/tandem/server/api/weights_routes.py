@@ -38,6 +38,14 @@ def weights_info(state: ServerState) -> dict[str, Any] | None:
     return None if info is None else {**info, "updating": state.engine.updating}
 
 
+def _exists(path: str) -> bool:
+    """``Path.exists``, but a name the OS refuses (too long, say) is as absent as a missing one."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False
+
+
 def _refusal(exc: BaseException, path: str) -> APIError:
     if isinstance(exc, WeightsMismatchError | UpdateInProgressError):
         code = "weights_mismatch" if isinstance(exc, WeightsMismatchError) else "update_in_progress"
@@ -75,7 +83,7 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[s
     path = body.model_path
     if path is None:
         raise APIError(400, "model_path is required", param="model_path", code="invalid_value")
-    if not await asyncio.to_thread(Path(path).exists):
+    if not await asyncio.to_thread(_exists, path):
         raise APIError(404, f"{path} does not exist", param="model_path", code="weights_not_found")
     try:
         running = await state.engine.call(lambda e: e.model_config)

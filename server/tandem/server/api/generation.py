@@ -27,6 +27,7 @@ from tandem.server.engine import (
 )
 from tandem.server.engine.structured import GrammarError, GrammarSpec
 
+from . import mapping
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
 from .errors import APIError, ClientDisconnected
 from .state import ServerState
@@ -79,24 +80,12 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]]) -> list[int]
 def render_chat_text(
     state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True
 ) -> str:
-    """The chat template's text for ``messages``; a template's own error is the client's 400."""
-    if getattr(state.tokenizer, "chat_template", None) is None:
-        raise APIError(
-            400, "this model has no chat template", param="messages", code="no_chat_template"
-        )
+    """The chat template's text for ``messages``, each message's length checked first."""
     for m in messages:
         check_prompt_chars(state, m.get("content") or "", "messages")
-    try:
-        return state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as exc:  # jinja's TemplateError, and templates' raise_exception
-        raise APIError(
-            400,
-            f"the chat template failed on these messages: {exc}",
-            param="messages",
-            code="invalid_value",
-        ) from exc
+    return mapping.apply_chat_template(
+        state.tokenizer, messages, add_generation_prompt=add_generation_prompt
+    )
 
 
 def api_error(exc: BaseException) -> APIError:

@@ -292,6 +292,18 @@ def render_chat(
     tools = (
         [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools] if req.tools else None
     )
+    return apply_chat_template(
+        tokenizer,
+        messages if messages is not None else chat_messages(req.messages),
+        tools=tools,
+        **kwargs,
+    )
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The one way every route renders a chat: the model's template over ``messages`` as text;
+    no template, or a template that fails on these messages (jinja's ``TemplateError``, a
+    template's own ``raise_exception``), is the client's 400."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(
             400,
@@ -300,17 +312,10 @@ def render_chat(
             code="no_chat_template",
         )
     try:
-        return tokenizer.apply_chat_template(
-            messages if messages is not None else chat_messages(req.messages),
-            tokenize=False,
-            tools=tools,
-            **kwargs,
-        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except APIError:
         raise
-    except (
-        Exception
-    ) as exc:  # jinja raises TemplateError (and templates raise_exception) on bad input
+    except Exception as exc:
         raise APIError(
             400,
             f"the chat template failed on these messages: {exc}",

@@ -123,17 +123,7 @@ async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
 
     def one(text: str) -> list[int]:
         if body.do_preprocess:
-            if getattr(state.tokenizer, "chat_template", None) is None:
-                raise APIError(
-                    400,
-                    "this model has no chat template",
-                    param="do_preprocess",
-                    code="no_chat_template",
-                )
-            text = state.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-            return tokenize_text(state, text, "input", add_special_tokens=False)
+            return render_chat(state, [{"role": "user", "content": text}])
         return tokenize_text(state, text, "input", add_special_tokens=bool(body.add_bos))
 
     ids = [await off_loop(state, one, t) for t in texts]

@@ -23,15 +23,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 from tandem.server.net import free_port
 
+T = TypeVar("T")
 
-def polls(url: str, during: Callable[[], object]) -> list[float]:
-    """Seconds of each ``/health`` poll (every 10 ms) while ``during()`` runs."""
+
+def polls(url: str, during: Callable[[], T]) -> tuple[list[float], T]:
+    """Seconds of each ``/health`` poll (every 10 ms) while ``during()`` runs, and its result."""
     times: list[float] = []
     stop = threading.Event()
 
@@ -46,11 +49,11 @@ def polls(url: str, during: Callable[[], object]) -> list[float]:
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        during()
+        result = during()
     finally:
         stop.set()
         poller.join()
-    return times
+    return times, result
 
 
 def summary(name: str, times: list[float]) -> str:
@@ -90,19 +93,18 @@ def main() -> None:
                 time.sleep(0.2)
             send = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}"]
             send += ["-H", "content-type: application/json", "--data-binary", f"@{body}"]
-            statuses: list[str] = []
 
-            def big() -> None:
+            def big() -> str:
                 out = subprocess.run(
                     send + [url + "/v1/completions"], capture_output=True, check=True
                 )
-                statuses.append(out.stdout.decode())
+                return out.stdout.decode()
 
             worst_ratio = []
             for i in range(args.repeats):
-                idle = polls(url, lambda: time.sleep(1.0))
-                busy = polls(url, big)
-                print(f"repeat {i}: {args.megabytes} MB body answered {statuses[-1]}")
+                idle, _ = polls(url, lambda: time.sleep(1.0))
+                busy, status = polls(url, big)
+                print(f"repeat {i}: {args.megabytes} MB body answered {status}")
                 print("  " + summary("idle", idle))
                 print("  " + summary("busy", busy))
                 over = 1e3 * (max(busy) - max(idle))

@@ -9,13 +9,13 @@ import json
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 
 import httpx
 import ollama
 import openai
 import pytest
+
+from bench.big_body import polls
 
 from .api_helpers import ENGINE_FLAGS, held, wait_until
 from .test_proxy_helpers import FRONTS, engine_and_proxies, front_of, openai_client
@@ -145,30 +145,6 @@ def test_cors_is_off_by_default_and_on_with_allowed_origins(stack) -> None:
     assert "access-control-allow-origin" not in off.headers
 
 
-def _health_polls(url: str, during: Callable[[], object]) -> tuple[list[float], object]:
-    """Poll ``/health`` every 10 ms while ``during()`` runs: each poll's seconds, and its result."""
-    times: list[float] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client() as c:
-            c.get(url + "/health")
-            while not stop.is_set():
-                t = time.perf_counter()
-                c.get(url + "/health")
-                times.append(time.perf_counter() - t)
-                time.sleep(0.01)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        result = during()
-    finally:
-        stop.set()
-        poller.join()
-    return times, result
-
-
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_huge_body_is_refused_while_health_answers(stack, tmp_path) -> None:
     """20 MB of prompt while /health is polled: the prompt is 413 (longer than the context,
@@ -193,7 +169,7 @@ def test_huge_body_is_refused_while_health_answers(stack, tmp_path) -> None:
         text, status = out.rsplit("\n", 1)
         return int(status), json.loads(text)
 
-    busy, (status, answer) = _health_polls(both.url, big)
+    busy, (status, answer) = polls(both.url, big)
     assert status == 413 and answer["error"]["code"] == "context_length_exceeded", answer
     assert busy, "no /health poll was answered while the big body was handled"
     over = httpx.post(

@@ -42,6 +42,7 @@ from .state import get_state
 from .structured import ollama_format_spec
 
 router = APIRouter(route_class=ParsedJSONRoute)
+_NDJSON_RESPONSES = ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line")
 
 
 # ----- LMDeploy /generate -------------------------------------------------------------------
@@ -212,7 +213,7 @@ def _message_text(text: str) -> dict[str, Any]:
 
 @router.post(
     "/api/generate",
-    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+    responses=_NDJSON_RESPONSES,
 )
 async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
     """Ollama-style generation: an NDJSON stream of ``{model, created_at, response, done}``."""
@@ -241,7 +242,7 @@ async def ollama_generate(body: OllamaGenerateRequest, request: Request) -> Any:
 
 @router.post(
     "/api/chat",
-    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+    responses=_NDJSON_RESPONSES,
 )
 async def ollama_chat(body: OllamaChatRequest, request: Request) -> Any:
     """Ollama's chat: ``messages`` over the chat template; NDJSON ``{message, done}`` lines."""

@@ -75,7 +75,7 @@ def test_cached_blocks_survive_free_until_reused_then_are_evicted() -> None:
     first = make_request(list(range(1, 11)), "a")
     assert kv.allocate(first, 10, kv.find_cached_prefix(first))
     first.num_computed_tokens = 10
-    kv.cache_full_blocks(first)
+    kv.cache_full_blocks(first, first.num_computed_tokens)
     assert kv.pool.num_cached == 2
     kv.free(first)
     assert kv.pool.num_free == 5 and kv.pool.num_cached == 2
@@ -102,7 +102,7 @@ def test_a_full_prompt_hit_still_leaves_one_token_to_compute() -> None:
     first = make_request(list(range(8)), "a")
     kv.allocate(first, 8, kv.find_cached_prefix(first))
     first.num_computed_tokens = 8
-    kv.cache_full_blocks(first)
+    kv.cache_full_blocks(first, first.num_computed_tokens)
     again = make_request(list(range(8)), "b")
     assert len(kv.find_cached_prefix(again).block_ids) == 1
 
@@ -112,7 +112,7 @@ def test_allocation_counts_cached_free_blocks_it_revives() -> None:
     first = make_request([1, 2, 3, 4, 5, 6], "a")
     assert kv.allocate(first, 6, kv.find_cached_prefix(first))
     first.num_computed_tokens = 6
-    kv.cache_full_blocks(first)
+    kv.cache_full_blocks(first, first.num_computed_tokens)
     kv.free(first)
     second = make_request([1, 2, 3, 4, 9, 9, 9], "b")
     prefix = kv.find_cached_prefix(second)

@@ -65,6 +65,21 @@ def test_warm_prefix_cache_hits_and_matches(arch_case) -> None:
     _assert_matches(outputs, expected)
 
 
+def test_prompts_sharing_a_start_hit_each_other_within_their_first_step(arch_case) -> None:
+    """The second and third prompt read the shared blocks the first one computes in the same
+    step (published at scheduling time), and still match transformers."""
+    model_dir, llm, prompt_ids, _ = arch_case
+    shared = prompt_ids[6]
+    prompts = [shared + p for p in prompt_ids[:3]]
+    expected = [hf_greedy(model_dir, ids, NEW_TOKENS)[0] for ids in prompts]
+    llm.engine.kv.pool.reset_prefix_cache()
+    outputs = llm.generate(prompts, GREEDY)
+    full_blocks = len(shared) // 16 * 16
+    assert full_blocks >= 32
+    assert [o.num_cached_tokens for o in outputs] == [0, full_blocks, full_blocks]
+    _assert_matches(outputs, expected)
+
+
 def test_preemption_under_a_tiny_block_pool_matches(arch_case) -> None:
     model_dir, _, prompt_ids, expected = arch_case
     # room for the longest sequence and little more, so eight of them must take turns

@@ -84,3 +84,26 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is() -> None:
     s.finish(waiting, RequestStatus.FINISHED_ABORTED)
     assert not s.running and not s.waiting
     kv.pool.check_all_free()
+
+
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_scheduled_before_it() -> None:
+    kv = KVCacheManager(16, 4, True)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    a, b = make_request(shared + [9, 10, 11], "a", 0), make_request(shared + [12], "b", 1)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [11, 1]
+    assert a.block_ids == [1, 2, 3] and b.block_ids == [1, 2, 4]
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+
+
+def test_blocks_of_a_chunk_are_published_only_as_far_as_the_chunk_goes() -> None:
+    kv = KVCacheManager(16, 4, True)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=6)
+    s.add(make_request(list(range(1, 13)), "a", 0))
+    run_step(s)  # 6 of 12 tokens: only the first block is full
+    assert kv.pool.num_cached == 1
+    late = make_request(list(range(1, 13)) + [99], "late", 1)
+    assert kv.find_cached_prefix(late).block_ids == [1]

@@ -79,14 +79,19 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(new_blocks))
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Publish the request's newly completed full blocks to the prefix cache."""
+    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the full blocks among the request's first ``num_tokens`` to the prefix cache.
+
+        The scheduler calls it when it schedules the tokens, before they are computed: a step
+        writes every sequence's new K/V into a layer's pages before any of them attends in that
+        layer, so a request admitted later in the same step can already read those blocks.
+        """
         cache = self.prefix_cache
         if cache is None:
             return
         bs = self.block_size
         parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
-        for b in range(len(req.block_hashes), req.num_computed_tokens // bs):
+        for b in range(len(req.block_hashes), num_tokens // bs):
             tokens = req.token_slice(b * bs, (b + 1) * bs)
             parent = hash_block(parent, tokens)
             req.block_hashes.append(parent)

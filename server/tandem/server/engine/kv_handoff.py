@@ -148,7 +148,7 @@ class KVHandoff:
             return None
         if error is None:
             req.num_computed_tokens = req.num_prompt_tokens
-            self.kv.cache_full_blocks(req)
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
             self.scheduler.add(req, front=True)
             return None
         self.kv.free(req)

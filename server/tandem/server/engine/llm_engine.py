@@ -193,7 +193,11 @@ class LLMEngine:
         self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
-        logits, hidden, sampling = self.worker.execute(batch)
+        try:
+            logits, hidden, sampling = self.worker.execute(batch)
+        except BaseException:
+            self.kv.pool.reset_prefix_cache()  # blocks published for this step were never written
+            raise
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
         if sampling:

@@ -67,7 +67,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
             if self._grow_or_preempt(req, n, batch):
-                batch.add(req, n)
+                self._take(batch, req, n)
                 budget -= n
         return budget
 
@@ -111,14 +111,19 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.add(req, n)
+            self._take(batch, req, n)
             budget -= n
 
+    def _take(self, batch: ScheduledBatch, req: Request, n: int) -> None:
+        """Schedule ``n`` tokens of ``req`` and publish the blocks they will fill, so a request
+        admitted after it in this very step can hit them (see ``cache_full_blocks``)."""
+        batch.add(req, n)
+        self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
+
     def update(self, batch: ScheduledBatch) -> None:
-        """After the model ran: the scheduled tokens are computed; publish the blocks they filled."""
+        """After the model ran: the scheduled tokens are computed."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
 
     def fork_siblings(self, leader: Request) -> None:
         """Siblings of an n > 1 request join the running set sharing the leader's full prompt

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.server.engine.attention import BatchLayout, TorchAttentionBackend
+from tandem.server.engine.attention import BatchLayout, TorchAttentionBackend, cpu_kernel
 from tandem.server.engine.kv_cache import KVCache
 
 H, H_KV, D, BS, BLOCKS = 6, 2, 16, 4, 256
@@ -86,7 +86,10 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_attention_per_sequence(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["gather", "c-kernel"])
+def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place: bool) -> None:
+    if in_place and not cpu_kernel.kernel_supports(torch.device("cpu"), dtype):
+        pytest.skip("no C compiler to build the CPU attention kernel")
     seqs, shared = SCENARIOS[name]
     layout, q, k, v = _scenario(seqs, shared, seed=len(name))
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H_KV, head_dim=D)
@@ -97,7 +100,7 @@ def test_matches_attention_per_sequence(name: str, dtype: torch.dtype) -> None:
         cache.data[0].double(), layout, q.double(), k.double(), v.double(), scale
     )
     got = (
-        TorchAttentionBackend(cache, scale)
+        TorchAttentionBackend(cache, scale, in_place=in_place)
         .plan(layout)
         .forward(0, q.to(dtype), k.to(dtype), v.to(dtype))
     )

@@ -1,10 +1,11 @@
 """The reference attention backend: plain PyTorch, on CPU or GPU.
 
-Decodes (one new token each) are batched: their pages are gathered and attended with two
-``bmm`` calls per group, and the pages every decode of a group shares at the start of its
-block table (a common system prompt, ``n > 1`` siblings) are gathered and attended once for
-all of them. Prefills run one ``scaled_dot_product_attention`` call each, so no prompt pays
-for another's padding.
+Decodes (one new token each) are batched. Those sharing the pages at the start of their block
+tables (a common system prompt, ``n > 1`` siblings) form groups whose shared pages are
+gathered and attended once for all of them, as one matrix product. The rest go, on a CPU with
+a C compiler, to one call of the C kernel (``cpu_kernel.py``), which reads their pages in
+place; otherwise their pages are gathered and attended with two ``bmm`` calls per group. Prefills run one
+``scaled_dot_product_attention`` call each, so no prompt pays for another's padding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_cache import KVCache
+from . import cpu_kernel
 from .base import AttentionBackend, AttentionStep, BatchLayout
 
 
@@ -35,21 +37,46 @@ class _Decodes:
     tables: torch.Tensor  # [B, nb] the pages after the shared ones, padded with the null page
     padding: torch.Tensor  # [1, B, 1, nb * block_size] bool, True = no key there
 
+    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
+        return _paged_decode(q, pages, self, scale)
+
+
+@dataclass(frozen=True)
+class _InPlaceDecodes:
+    """Every decode of the step, for the C kernel."""
+
+    rows: torch.Tensor  # [B] flat token index of each decode
+    tables: torch.Tensor  # [B, nb] int32 pages, padded with the null page
+    lens: torch.Tensor  # [B] int32 context lengths
+    max_len: int
+
+    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
+        return cpu_kernel.paged_decode(q, pages, self.tables, self.lens, self.max_len, scale)
+
 
 class TorchAttentionBackend(AttentionBackend):
+    """``in_place``: decodes use the C kernel (default: where it supports the cache)."""
+
     name = "torch"
 
-    def __init__(self, kv_cache: KVCache, scale: float) -> None:
+    def __init__(self, kv_cache: KVCache, scale: float, in_place: bool | None = None) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
+        if in_place is None:
+            in_place = cpu_kernel.kernel_supports(kv_cache.device, kv_cache.dtype)
+        self.in_place = in_place
 
     def plan(self, layout: BatchLayout) -> AttentionStep:
         starts = [0]
         for n in layout.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        groups = _by_first_page(decode, layout, self.kv_cache.block_size)
-        decodes = [self._decodes(layout, starts, idx) for idx in groups]
+        shared, alone = _by_first_page(decode, layout, self.kv_cache.block_size)
+        if self.in_place:  # rows sharing pages still read them once, as one matrix product
+            groups, rest = shared, [self._in_place(layout, starts, alone)] if alone else []
+        else:
+            groups, rest = shared + _split_by_length(alone, layout), []
+        decodes = [self._decodes(layout, starts, idx) for idx in groups] + rest
         prefills = [
             self._prefill(layout, starts[i], i) for i, n in enumerate(layout.query_lens) if n > 1
         ]
@@ -65,6 +92,16 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
             mask = mask.to(device)
         return _Prefill(start, start + q_len, blocks, kv_len, mask)
+
+    def _in_place(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _InPlaceDecodes:
+        lens = [layout.kv_lens[i] for i in idx]
+        width = -(-max(lens) // self.kv_cache.block_size)
+        return _InPlaceDecodes(
+            torch.tensor([starts[i] for i in idx]),
+            torch.tensor([_padded(layout.block_tables[i], width) for i in idx], dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
+            max(lens),
+        )
 
     def _decodes(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _Decodes:
         device = self.kv_cache.device
@@ -91,7 +128,7 @@ class _TorchStep(AttentionStep):
         self,
         kv_cache: KVCache,
         slot_mapping: torch.Tensor,
-        decodes: list[_Decodes],
+        decodes: list[_Decodes | _InPlaceDecodes],
         prefills: list[_Prefill],
         scale: float,
     ) -> None:
@@ -111,7 +148,7 @@ class _TorchStep(AttentionStep):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for d in self.decodes:
-            out[d.rows] = _paged_decode(q[d.rows], pages, d, self.scale)
+            out[d.rows] = d.attend(q[d.rows], pages, self.scale)
         for p in self.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if p.mask is None and kv.dtype == q.dtype:
@@ -141,16 +178,18 @@ def _gather_pages(
     return gathered[0], gathered[1]
 
 
-def _by_first_page(idx: list[int], layout: BatchLayout, block_size: int) -> list[list[int]]:
-    """Decodes grouped so that rows sharing their first page (a prefix-cache hit on the same
-    prompt start) attend to the shared pages together; the rest split by length."""
+def _by_first_page(
+    idx: list[int], layout: BatchLayout, block_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """The groups of decodes sharing their first page (a prefix-cache hit on the same prompt
+    start), which attend to the shared pages together, and the rows sharing none."""
     by_page: dict[int, list[int]] = {}
     for i in idx:
         if layout.kv_lens[i] > block_size:  # a full first page, with the newest token after it
             by_page.setdefault(layout.block_tables[i][0], []).append(i)
     groups = [rows for rows in by_page.values() if len(rows) > 1]
     grouped = {i for rows in groups for i in rows}
-    return groups + _split_by_length([i for i in idx if i not in grouped], layout)
+    return groups, [i for i in idx if i not in grouped]
 
 
 def _split_by_length(idx: list[int], layout: BatchLayout) -> list[list[int]]:

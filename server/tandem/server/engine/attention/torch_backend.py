@@ -1,10 +1,10 @@
 """The reference attention backend: plain PyTorch, on CPU or GPU.
 
-Decodes (one new token each) are batched. Those sharing the pages at the start of their block
-tables (a common system prompt, ``n > 1`` siblings) form groups whose shared pages are
-gathered and attended once for all of them, as one matrix product. The rest go, on a CPU with
-a C compiler, to one call of the C kernel (``cpu_kernel.py``), which reads their pages in
-place; otherwise their pages are gathered and attended with two ``bmm`` calls per group. Prefills run one
+Decodes (one new token each) are batched. On a CPU where the C kernels build (AVX-512 and a C
+compiler), they all go to one call of ``kernels.paged_decode``, which reads their pages in
+place. Elsewhere their pages are gathered and attended with two ``bmm`` calls per group, and
+the pages every decode of a group shares at the start of its block table (a common system
+prompt, ``n > 1`` siblings) are gathered and attended once for all of them. Prefills run one
 ``scaled_dot_product_attention`` call each, so no prompt pays for another's padding.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..kv_cache import KVCache
-from . import cpu_kernel
 from .base import AttentionBackend, AttentionStep, BatchLayout
 
 
@@ -51,7 +51,7 @@ class _InPlaceDecodes:
     max_len: int
 
     def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu_kernel.paged_decode(q, pages, self.tables, self.lens, self.max_len, scale)
+        return kernels.paged_decode(q, pages, self.tables, self.lens, self.max_len, scale)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -63,7 +63,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_cache = kv_cache
         self.scale = scale
         if in_place is None:
-            in_place = cpu_kernel.kernel_supports(kv_cache.device, kv_cache.dtype)
+            in_place = kernels.paged_decode_for(kv_cache.device, kv_cache.dtype, kv_cache.head_dim)
         self.in_place = in_place
 
     def plan(self, layout: BatchLayout) -> AttentionStep:
@@ -71,12 +71,13 @@ class TorchAttentionBackend(AttentionBackend):
         for n in layout.query_lens:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        shared, alone = _by_first_page(decode, layout, self.kv_cache.block_size)
-        if self.in_place:  # rows sharing pages still read them once, as one matrix product
-            groups, rest = shared, [self._in_place(layout, starts, alone)] if alone else []
+        decodes: list[_Decodes | _InPlaceDecodes]
+        if self.in_place:
+            decodes = [self._in_place(layout, starts, decode)] if decode else []
         else:
-            groups, rest = shared + _split_by_length(alone, layout), []
-        decodes = [self._decodes(layout, starts, idx) for idx in groups] + rest
+            shared, alone = _by_first_page(decode, layout, self.kv_cache.block_size)
+            groups = shared + _split_by_length(alone, layout)
+            decodes = [self._decodes(layout, starts, idx) for idx in groups]
         prefills = [
             self._prefill(layout, starts[i], i) for i, n in enumerate(layout.query_lens) if n > 1
         ]

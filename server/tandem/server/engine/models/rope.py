@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import kernels
+
 
 def inverse_frequencies(
     params: dict[str, Any], head_dim: int, max_position: int
@@ -108,6 +110,8 @@ class RotaryEmbedding(nn.Module):
         self, rope: RopeTables, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
+        if kernels.cpu_kernels_for(q.device, q.dtype):  # in place: q and k are this step's own
+            return kernels.rope_(q, cos, sin), kernels.rope_(k, cos, sin)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 

@@ -1,0 +1,19 @@
+"""C kernels for the CPU path, built once per machine and called through ctypes.
+
+``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only); ``layers.c`` holds
+the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary embedding), one pass each
+instead of several torch ops. ``library.py`` builds and loads them; ``ops.py`` is the typed
+Python side. Every kernel has a plain PyTorch reference that runs where they cannot (no C
+compiler, a GPU, float16) and that the tests compare them against.
+"""
+
+from .ops import cpu_kernels_for, paged_decode, paged_decode_for, rms_norm, rope_, silu_and_mul
+
+__all__ = [
+    "cpu_kernels_for",
+    "paged_decode",
+    "paged_decode_for",
+    "rms_norm",
+    "rope_",
+    "silu_and_mul",
+]

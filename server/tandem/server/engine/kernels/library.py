@@ -1,0 +1,93 @@
+"""Builds the C kernels into one shared library per machine and loads it with ctypes.
+
+It is compiled with the machine's own compiler for the machine's own ISA (``-march=native``),
+cached under the user's cache directory by a hash of the sources, flags and CPU, and linked
+against the OpenMP runtime PyTorch already loaded (one thread pool, not two). Where no C
+compiler is installed, or the build fails, ``load`` says so once and returns None: callers
+keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_decode.c", HERE / "layers.c"]
+HEADERS = [HERE / "convert.h"]
+# Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
+FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    # q, k, v, out, tables, width, lens, batch, heads, kv_heads, dim, block_size, max_len,
+    # scale, bf16, threads
+    "paged_decode": [_P] * 5 + [_I, _P] + [_I] * 6 + [_F, _I, _I],
+    # x, out, weight, rows, dim, x_stride, eps, bf16, threads
+    "rms_norm": [_P, _P, _P, _I, _I, _I64, _F, _I, _I],
+    # gate_up, out, rows, inter, bf16, threads
+    "silu_mul": [_P, _P, _I, _I, _I, _I],
+    # x, cos, sin, tokens, heads, head_dim, rotary_dim, token_stride, bf16, threads
+    "rope": [_P, _P, _P, _I, _I, _I, _I, _I64, _I, _I],
+}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (with one warning) where it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: the CPU path runs without its C kernels")
+        return None
+    path = _cache_dir() / f"tandem-kernels-{_build_key(compiler)}.so"
+    if not path.exists():
+        try:
+            _build(compiler, path)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("could not build the CPU kernels (%s): running without them", exc)
+            return None
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        if hasattr(lib, name):  # paged_decode is built on AVX-512 machines only
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "tandem" / "kernels"
+
+
+def _build_key(compiler: str) -> str:
+    """Sources, flags, compiler and CPU: a new machine or a changed source builds anew."""
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.read_bytes())
+    h.update(" ".join([compiler, *FLAGS]).encode())
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        h.update(next((ln for ln in lines if ln.startswith("flags")), "").encode())
+    return h.hexdigest()[:16]
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile into a temporary file beside ``path`` and rename it in: concurrent engines
+    starting on one machine never load a half-written library."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        os.replace(built, path)

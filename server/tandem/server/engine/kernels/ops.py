@@ -1,0 +1,117 @@
+"""Typed calls into the C kernels: CPU tensors in float32 or bfloat16 in, tensors out.
+
+Callers check ``cpu_kernels_for`` first and keep their PyTorch code for everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the layer kernels can take tensors on ``device`` in ``dtype`` (built, or buildable)."""
+    return device.type == "cpu" and dtype in DTYPES and library.load() is not None
+
+
+def paged_decode_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``paged_decode`` can serve a KV cache like this (it needs AVX-512)."""
+    return (
+        cpu_kernels_for(device, dtype)
+        and hasattr(library.load(), "paged_decode")
+        and head_dim % 16 == 0
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its pages, read in place.
+
+    q: ``[B, H, D]``; pages: one layer's ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's
+    dtype); tables: ``[B, width]`` int32 page ids; lens: ``[B]`` int32 tokens each attends to
+    (at most ``max_len``). Returns ``[B, H, D]``.
+    """
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    batch, heads, dim = q.shape
+    _, _, block_size, kv_heads, _ = pages.shape
+    library.load().paged_decode(
+        q.data_ptr(),
+        pages[0].data_ptr(),
+        pages[1].data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        max_len,
+        scale,
+        DTYPES[q.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in HuggingFace's order (see ``models/layers.RMSNorm``)."""
+    rows = x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous().view(-1, x.shape[-1])
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library.load().rms_norm(
+        rows.data_ptr(),
+        out.data_ptr(),
+        weight.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        rows.stride(0),
+        eps,
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a contiguous ``[N, 2 * I]`` holding ``[gate | up]`` per row."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    library.load().silu_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        DTYPES[gate_up.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, D]``, heads contiguous within a token) in place by the step's
+    tables (``[T, 1, rotary_dim]``, contiguous, x's dtype); returns ``x``."""
+    tokens, heads, dim = x.shape
+    library.load().rope(
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        dim,
+        cos.shape[-1],
+        x.stride(0),
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return x

@@ -1,0 +1,188 @@
+/* Decode attention over a paged KV cache, read in place (no gather): one query token per
+ * sequence, every query head of a KV head's group at once, float32 accumulation. AVX-512;
+ * built without it, the library has no paged_decode and the torch backend gathers instead.
+ *
+ * Scores are made 16 tokens at a time: each token's products with a query head are summed
+ * lane-wise, and the 16 partial vectors are reduced together by a transposing butterfly (15
+ * shuffle-and-add steps for 16 tokens instead of 4 per token). The values are then summed into
+ * accumulators that stay in registers for the common (group, head_dim) pairs, for which the
+ * body below is inlined with both known. Its reference is the torch backend's gather + bmm
+ * path (tests/test_torch_attention.py).
+ */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "convert.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define TILE 16
+
+INLINE __m512 load16(const char *p, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps(p);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN). */
+INLINE void store16(char *p, __m512 x, const int bf16) {
+    if (!bf16) return _mm512_storeu_ps(p, x);
+    __m512i u = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* exp(x) for a vector, Cephes' polynomial as in convert.h, 2^n applied by vscalefps. */
+INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Lane i of the result is the sum of the lanes of v[i]. */
+INLINE __m512 sum_each(__m512 v[TILE]) {
+    static const int32_t steps[4][2][16] = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+         {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+        {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+         {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+        {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+         {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}},
+    };
+    for (int level = 0, n = TILE; level < 4; level++, n /= 2) {
+        __m512i lo = _mm512_loadu_si512(steps[level][0]), hi = _mm512_loadu_si512(steps[level][1]);
+        for (int i = 0; i < n / 2; i++)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    }
+    return v[0];
+}
+
+/* Where token t's row of a head lies: page table[t / block_size], slot t % block_size. */
+typedef struct {
+    const char *base;
+    const int32_t *table;
+    int block_size, page, slot;
+    int64_t page_bytes, token_bytes;
+} Rows;
+
+INLINE const char *next_row(Rows *r) {
+    const char *row = r->base + r->table[r->page] * r->page_bytes + r->slot * r->token_bytes;
+    if (++r->slot == r->block_size) r->slot = 0, r->page++;
+    return row;
+}
+
+/* One (sequence, KV head) pair: `group` query heads of `chunks` * 16 values attend to `len`
+ * cached tokens. scores: group rows of `stride` (len rounded up to TILE) floats. */
+INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
+                   const int chunks, float scale, const int bf16, float *scores, int stride) {
+    const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
+    __m512 qv[group][chunks], acc[group][chunks], maxv[group];
+    for (int g = 0; g < group; g++) {
+        maxv[g] = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < chunks; c++) {
+            qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+    }
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        int n = len - t0 < TILE ? len - t0 : TILE;
+        __mmask16 real = (__mmask16)((1u << n) - 1);
+        __m512 k[TILE][chunks];
+        for (int i = 0; i < n; i++) {
+            const char *row = next_row(&keys);
+            for (int c = 0; c < chunks; c++) k[i][c] = load16(row + c * 16 * elem, bf16);
+        }
+        for (int g = 0; g < group; g++) {
+            __m512 part[TILE];
+            for (int i = 0; i < TILE; i++) {
+                part[i] = _mm512_setzero_ps();
+                if (i < n)
+                    for (int c = 0; c < chunks; c++) part[i] = _mm512_fmadd_ps(qv[g][c], k[i][c], part[i]);
+            }
+            __m512 s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), sum_each(part));
+            _mm512_storeu_ps(scores + g * stride + t0, s);
+            maxv[g] = _mm512_max_ps(maxv[g], s);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * stride;
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxv[g])), total = _mm512_setzero_ps();
+        for (int t = 0; t < stride; t += TILE) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+            _mm512_storeu_ps(s + t, e);
+            total = _mm512_add_ps(total, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        for (int t = 0; t < stride; t += TILE) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    }
+    for (int t = 0; t < len; t++) {
+        const char *row = next_row(&values);
+        __m512 v[chunks];
+        for (int c = 0; c < chunks; c++) v[c] = load16(row + c * 16 * elem, bf16);
+        for (int g = 0; g < group; g++) {
+            __m512 p = _mm512_set1_ps(scores[g * stride + t]);
+            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) store16(out + (g * dim + c * 16) * elem, acc[g][c], bf16);
+}
+
+#define SHAPE(G, C)                                                                           \
+    if (group == G && chunks == C)                                                            \
+        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride)       \
+                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride);
+
+static void attend_any(const char *q, Rows keys, Rows values, char *out, int len, int group,
+                       int chunks, float scale, int bf16, float *scores, int stride) {
+    SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
+    SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
+    if (bf16)
+        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride);
+    else
+        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride);
+}
+
+/* q, out: [B, H, D]; k, v: [blocks, block_size, H_kv, D], contiguous; tables: [B, width] page
+ * ids; lens: [B] tokens each sequence attends to (at most max_len); bf16: 1 for bfloat16
+ * tensors, 0 for float32; D a multiple of 16. Work is split over (sequence, KV head) pairs. */
+void paged_decode(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
+                  int width, const int32_t *lens, int batch, int heads, int kv_heads, int dim,
+                  int block_size, int max_len, float scale, int bf16, int threads) {
+    int group = heads / kv_heads, stride = (max_len + TILE - 1) / TILE * TILE;
+    int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)group * stride);
+#pragma omp for schedule(dynamic)
+        for (int item = 0; item < batch * kv_heads; item++) {
+            int b = item / kv_heads, h = item % kv_heads;
+            int64_t first = ((int64_t)b * heads + (int64_t)h * group) * dim * elem;
+            const int32_t *table = tables + (int64_t)b * width;
+            Rows keys = {(const char *)k + h * dim * elem, table, block_size, 0, 0,
+                         block_size * token_bytes, token_bytes};
+            Rows values = keys;
+            values.base = (const char *)v + h * dim * elem;
+            attend_any((const char *)q + first, keys, values, (char *)out + first, lens[b], group,
+                       dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE);
+        }
+        free(scores);
+    }
+}
+#endif

@@ -1,0 +1,83 @@
+"""The CPU C kernels of a decoder layer against the PyTorch code they replace.
+
+In bfloat16 both sides round at the same points, so they agree bit for bit except where the
+RMSNorm sum's order or exp's last bit tips a rounding: at most one bfloat16 step, rarely. In
+float32 they agree to float32 rounding. (Decode attention: ``test_torch_attention.py``.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.server.engine import kernels
+from tandem.server.engine.models.layers import RMSNorm
+from tandem.server.engine.models.rope import RotaryEmbedding, _apply
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _need_kernels(request: pytest.FixtureRequest) -> None:
+    if not kernels.cpu_kernels_for(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler to build the CPU kernels")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        return
+    step = want.float().abs().clamp_min(1e-30) * 2**-7  # one bfloat16 step at that magnitude
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() > 0.98
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype) * 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = _rand(576, dtype=dtype, seed=1)
+    x = _rand(rows, 576, dtype=dtype)
+    _close(kernels.rms_norm(x, norm.weight, norm.eps), norm.reference(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_heads_viewed_in_a_wider_row(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norms run over ``[tokens, heads, head_dim]`` views of the qkv output."""
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    norm.weight.data = _rand(64, dtype=dtype, seed=1)
+    qkv = _rand(5, 12 * 64, dtype=dtype)
+    q = qkv[:, : 8 * 64].view(5, 8, 64)
+    _close(kernels.rms_norm(q, norm.weight, norm.eps), norm.reference(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
+    gate_up = _rand(rows, 2 * 1536, dtype=dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    _close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_in_place_matches_the_reference(dtype: torch.dtype, rotary_fraction: float) -> None:
+    params = {"rope_theta": 10000.0, "partial_rotary_factor": rotary_fraction}
+    rotary = RotaryEmbedding(params, 64, 4096)
+    positions = torch.tensor([0, 1, 17, 900, 4095])
+    cos, sin = rotary.tables(positions, dtype)
+    qkv = _rand(5, (9 + 3 + 3) * 64, dtype=dtype)
+    q = qkv[:, : 9 * 64].view(5, 9, 64)
+    k = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)
+    v_before = qkv[:, 12 * 64 :].clone()
+    want_q, want_k = (_apply(x, cos, sin, rotary.rotary_dim) for x in (q, k))
+    got_q, got_k = kernels.rope_(q, cos, sin), kernels.rope_(k, cos, sin)
+    _close(got_q, want_q)
+    _close(got_k, want_k)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v, beside them in the same rows, untouched

@@ -113,7 +113,7 @@ def test_uncompilable_schema_is_refused_naming_the_problem(engine: LLMEngine) ->
 
 def test_preemption_keeps_every_matcher_valid(llama_dir: Path) -> None:
     """A KV cache too small for the batch forces preemption and recompute mid-output."""
-    small = make(llama_dir, kv_cache_tokens=512, block_size=16, max_num_seqs=8)
+    small = make(llama_dir, kv_cache_tokens=256, block_size=16, max_num_seqs=8)
     for i in range(8):
         small.add_request(
             f"p{i}", f"Component {i}:", SamplingParams(max_tokens=120, seed=i, structured=SPEC)

@@ -126,6 +126,26 @@ def test_sampler_filters_keep_draws_inside_the_allowed_set(llama_dir: Path) -> N
         assert seen == allowed, (kwargs, seen)
 
 
+def test_draws_follow_the_softmax_and_never_pick_a_masked_token() -> None:
+    """Inverse-CDF sampling: 20,000 draws of one request land on each token as often as its
+    probability says (within 4 standard deviations), and a token masked out (first and last
+    positions, where an off-by-one in the table would show) is never drawn."""
+    import torch
+
+    from .test_block_pool import make_request
+
+    probs = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.0])
+    logits = probs.log().unsqueeze(0)  # -inf where masked
+    req = make_request([1], "d")
+    req.params = SamplingParams(temperature=1.0)
+    req.generator = torch.Generator().manual_seed(7)
+    draws = torch.tensor([sample(logits.clone(), [req]).token_ids[0] for _ in range(20000)])
+    freq = torch.bincount(draws, minlength=6).double() / 20000
+    assert freq[0] == 0 and freq[5] == 0
+    sd = (probs * (1 - probs) / 20000).sqrt().double()
+    assert ((freq - probs.double()).abs() <= 4 * sd + 1e-12).all(), freq
+
+
 def test_penalties_and_logit_bias_change_the_processed_logits() -> None:
     import torch
 

@@ -19,6 +19,7 @@ from .models.config import ModelConfig
 from .parallel import SINGLE, rank_device
 from .parallel.launch import RankGroup
 from .request import Request
+from .sampler import draw_uniform
 from .scheduler import ScheduledBatch
 
 
@@ -55,8 +56,7 @@ class Worker:
 
     def skip_draw(self, generator: torch.Generator) -> None:
         """Advance ``generator`` past one token's draw, as sampling that token would have."""
-        vocab = self.model_config.vocab_size
-        torch.empty(vocab, device=self.runner.device).exponential_(generator=generator)
+        draw_uniform(generator, self.runner.device)
 
     def sleep(self, level: int) -> None:
         if self._ranks is not None:

@@ -14,9 +14,8 @@ static inline float from_bf16(uint16_t h) {
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded); /* NaN stays NaN */
 }
 
 /* f as the model's dtype would hold it: rounded to bfloat16, or unchanged in float32. */

@@ -1,10 +1,10 @@
 """Builds the C kernels into one shared library per machine and loads it with ctypes.
 
 It is compiled with the machine's own compiler for the machine's own ISA (``-march=native``),
-cached under the user's cache directory by a hash of the sources, flags and CPU, and linked
-against the OpenMP runtime PyTorch already loaded (one thread pool, not two). Where no C
-compiler is installed, or the build fails, ``load`` says so once and returns None: callers
-keep their PyTorch path.
+cached in Tandem's cache directory (``default_model.cache_dir``) by a hash of the sources,
+flags and CPU, and linked against the OpenMP runtime PyTorch already loaded (one thread pool,
+not two). Where no C compiler is installed, or the build fails, ``load`` says so once and
+returns None: callers keep their PyTorch path.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from ..default_model import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler: the CPU path runs without its C kernels")
         return None
-    path = _cache_dir() / f"tandem-kernels-{_build_key(compiler)}.so"
+    path = cache_dir() / "kernels" / f"tandem-kernels-{_build_key(compiler)}.so"
     if not path.exists():
         try:
             _build(compiler, path)
@@ -62,11 +64,6 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
     return lib
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "tandem" / "kernels"
 
 
 def _build_key(compiler: str) -> str:

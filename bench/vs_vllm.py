@@ -42,7 +42,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVED_NAME = "smollm2"
-THREADS = int(os.environ.get("TANDEM_BENCH_THREADS", "0"))  # 0: each side's default (all cores)
+# 0: every CPU this run may use, on both sides. vLLM's own default keeps one core for its
+# scheduler process (on 2 cores: one compute thread, ~1.5x slower); it is given them all.
+THREADS = int(os.environ.get("TANDEM_BENCH_THREADS", "0")) or len(os.sched_getaffinity(0))
 
 
 # ----- the workload (both children build it from the same seed) ------------------------------
@@ -177,11 +179,10 @@ def _env(side: str, threads: int | None = None) -> dict[str, str]:
     """Each side's environment; ``threads`` caps both sides' compute threads alike."""
     env = dict(os.environ)
     threads = threads or THREADS
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-        # vLLM pins its OpenMP threads itself: to the CPUs this run may use (taskset), not 0..n-1
-        cpus = sorted(os.sched_getaffinity(0))[:threads]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    env["OMP_NUM_THREADS"] = str(threads)
+    # vLLM pins its OpenMP threads itself: to the CPUs this run may use (taskset), not 0..n-1
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
     if side == "tandem":
         roots = [str(ROOT / "server"), str(ROOT / "operator"), str(ROOT)]
         env["PYTHONPATH"] = os.pathsep.join(roots + [env.get("PYTHONPATH", "")])
@@ -418,7 +419,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=0,
-        help="compute threads for both sides (0: all cores); 1 on an oversubscribed machine",
+        help="compute threads for both sides (0: every CPU of this run's affinity); "
+        "1 on an oversubscribed machine",
     )
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--no-serving", action="store_true")
@@ -435,7 +437,7 @@ def main() -> None:
 
     model = args.model or str(vllm_peer.smollm2_dir())
     print(machine())
-    print(f"model: {model}; threads per side: {THREADS or 'all cores'}")
+    print(f"model: {model}; threads per side: {THREADS} (vLLM bound to the same CPUs)")
     try:
         peer: Path | None = vllm_peer.build_peer()
     except vllm_peer.PeerUnavailable as exc:

@@ -2,7 +2,8 @@
 
 In bfloat16 both sides round at the same points, so they agree bit for bit except where the
 RMSNorm sum's order or exp's last bit tips a rounding: at most one bfloat16 step, rarely. In
-float32 they agree to float32 rounding. (Decode attention: ``test_torch_attention.py``.)
+float32 they agree to float32 rounding. Decode attention is held to float64 here at real head
+sizes, and in ``test_torch_attention.py`` in every batch shape.
 """
 
 from __future__ import annotations
@@ -81,3 +82,35 @@ def test_rope_in_place_matches_the_reference(dtype: torch.dtype, rotary_fraction
     _close(got_q, want_q)
     _close(got_k, want_k)
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v, beside them in the same rows, untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_at_model_head_dims_matches_float64(dtype: torch.dtype, head_dim: int) -> None:
+    """SmolLM2's and Llama's head sizes take the kernel's specialised bodies (and, in bfloat16
+    on a CPU with AVX512-BF16, its pairwise q.k), which the 16-wide test model never reaches."""
+    if not kernels.paged_decode_for(torch.device("cpu"), dtype, head_dim):
+        pytest.skip("the C decode kernel needs AVX-512")
+    heads, kv_heads, bs, lens = 9, 3, 16, [1, 15, 16, 17, 100, 200]
+    pages = _rand(2, 64, bs, kv_heads, head_dim, dtype=dtype, seed=2) / 3
+    order = iter(torch.randperm(63, generator=torch.Generator().manual_seed(3)).add(1).tolist())
+    tables = [[next(order) for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    q = _rand(len(lens), heads, head_dim, dtype=dtype, seed=4) / 3
+    out = torch.empty_like(q)
+    kernels.paged_decode(
+        q,
+        pages,
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        max(lens),
+        head_dim**-0.5,
+        out=out,
+    )
+    for b, (n, table) in enumerate(zip(lens, tables)):
+        k, v = (pages[i, table].reshape(-1, kv_heads, head_dim)[:n].double() for i in (0, 1))
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * head_dim**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)

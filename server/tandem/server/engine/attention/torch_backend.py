@@ -37,21 +37,28 @@ class _Decodes:
     tables: torch.Tensor  # [B, nb] the pages after the shared ones, padded with the null page
     padding: torch.Tensor  # [1, B, 1, nb * block_size] bool, True = no key there
 
-    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
-        return _paged_decode(q, pages, self, scale)
+    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        out[self.rows] = _paged_decode(q[self.rows], pages, self, scale)
 
 
 @dataclass(frozen=True)
 class _InPlaceDecodes:
     """Every decode of the step, for the C kernel."""
 
-    rows: torch.Tensor  # [B] flat token index of each decode
+    rows: slice | torch.Tensor  # flat token rows: a slice when they are adjacent (the usual
+    # case: decodes lead the batch), so q and the output are passed as they lie, uncopied
     tables: torch.Tensor  # [B, nb] int32 pages, padded with the null page
     lens: torch.Tensor  # [B] int32 context lengths
     max_len: int
 
-    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
-        return kernels.paged_decode(q, pages, self.tables, self.lens, self.max_len, scale)
+    def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        args = (pages, self.tables, self.lens, self.max_len, scale)
+        if isinstance(self.rows, slice):
+            kernels.paged_decode(q[self.rows], *args, out=out[self.rows])
+            return
+        rows = torch.empty_like(q[self.rows])
+        kernels.paged_decode(q[self.rows], *args, out=rows)
+        out[self.rows] = rows
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -97,8 +104,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _in_place(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _InPlaceDecodes:
         lens = [layout.kv_lens[i] for i in idx]
         width = -(-max(lens) // self.kv_cache.block_size)
+        rows = [starts[i] for i in idx]
+        adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
         return _InPlaceDecodes(
-            torch.tensor([starts[i] for i in idx]),
+            slice(rows[0], rows[0] + len(rows)) if adjacent else torch.tensor(rows),
             torch.tensor([_padded(layout.block_tables[i], width) for i in idx], dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32),
             max(lens),
@@ -149,7 +158,7 @@ class _TorchStep(AttentionStep):
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for d in self.decodes:
-            out[d.rows] = d.attend(q[d.rows], pages, self.scale)
+            d.attend(q, pages, self.scale, out)
         for p in self.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if p.mask is None and kv.dtype == q.dtype:

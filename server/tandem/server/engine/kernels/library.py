@@ -32,9 +32,9 @@ FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    # q, k, v, out, tables, width, lens, batch, heads, kv_heads, dim, block_size, max_len,
-    # scale, bf16, threads
-    "paged_decode": [_P] * 5 + [_I, _P] + [_I] * 6 + [_F, _I, _I],
+    # q, q_stride, k, v, out, out_stride, tables, width, lens, batch, heads, kv_heads, dim,
+    # block_size, max_len, scale, bf16, threads
+    "paged_decode": [_P, _I64, _P, _P, _P, _I64, _P, _I, _P] + [_I] * 6 + [_F, _I, _I],
     # x, out, weight, rows, dim, x_stride, eps, bf16, threads
     "rms_norm": [_P, _P, _P, _I, _I, _I64, _F, _I, _I],
     # gate_up, out, rows, inter, bf16, threads

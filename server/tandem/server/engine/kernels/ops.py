@@ -33,22 +33,26 @@ def paged_decode(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
-) -> torch.Tensor:
-    """One query token per sequence over its pages, read in place.
+    out: torch.Tensor,
+) -> None:
+    """One query token per sequence over its pages, read in place, written into ``out``.
 
-    q: ``[B, H, D]``; pages: one layer's ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's
+    q, out: ``[B, H, D]``, rows of the step's q and output (out with each sequence's heads
+    contiguous; q is copied only if its are not); pages: one layer's ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's
     dtype); tables: ``[B, width]`` int32 page ids; lens: ``[B]`` int32 tokens each attends to
-    (at most ``max_len``). Returns ``[B, H, D]``.
+    (at most ``max_len``).
     """
-    q = q.contiguous()
-    out = torch.empty_like(q)
     batch, heads, dim = q.shape
     _, _, block_size, kv_heads, _ = pages.shape
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
     library.load().paged_decode(
         q.data_ptr(),
+        q.stride(0),
         pages[0].data_ptr(),
         pages[1].data_ptr(),
         out.data_ptr(),
+        out.stride(0),
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),
@@ -62,7 +66,6 @@ def paged_decode(
         DTYPES[q.dtype],
         torch.get_num_threads(),
     )
-    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

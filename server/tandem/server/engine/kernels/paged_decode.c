@@ -24,6 +24,17 @@ INLINE __m512 load16(const char *p, const int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+#ifdef __AVX512BF16__
+#define HAVE_DPBF16 1
+/* acc + the pairwise products of a and b, 32 bfloat16 each, summed in float32 per lane pair */
+INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#else
+#define HAVE_DPBF16 0
+INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return acc; } /* never called */
+#endif
+
 /* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN). */
 INLINE void store16(char *p, __m512 x, const int bf16) {
     if (!bf16) return _mm512_storeu_ps(p, x);
@@ -92,30 +103,43 @@ INLINE const char *next_row(Rows *r) {
 INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
                    const int chunks, float scale, const int bf16, float *scores, int stride) {
     const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
+    /* bfloat16 with AVX512-BF16: q.k from the cache's own bits, 32 products an instruction */
+    const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0;
     __m512 qv[group][chunks], acc[group][chunks], maxv[group];
+    __m512i qb[group][chunks / 2 + 1];
     for (int g = 0; g < group; g++) {
         maxv[g] = _mm512_set1_ps(-INFINITY);
         for (int c = 0; c < chunks; c++) {
             qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
             acc[g][c] = _mm512_setzero_ps();
         }
+        if (pairs)
+            for (int c = 0; c < chunks / 2; c++) qb[g][c] = _mm512_loadu_si512(q + (g * dim + c * 32) * 2);
     }
     for (int t0 = 0; t0 < len; t0 += TILE) {
         int n = len - t0 < TILE ? len - t0 : TILE;
         __mmask16 real = (__mmask16)((1u << n) - 1);
         __m512 k[TILE][chunks];
+        __m512i kb[TILE][chunks / 2 + 1];
         for (int i = 0; i < n; i++) {
             const char *row = next_row(&keys);
-            for (int c = 0; c < chunks; c++) k[i][c] = load16(row + c * 16 * elem, bf16);
+            if (pairs)
+                for (int c = 0; c < chunks / 2; c++) kb[i][c] = _mm512_loadu_si512(row + c * 64);
+            else
+                for (int c = 0; c < chunks; c++) k[i][c] = load16(row + c * 16 * elem, bf16);
         }
         for (int g = 0; g < group; g++) {
             __m512 part[TILE];
             for (int i = 0; i < TILE; i++) {
                 part[i] = _mm512_setzero_ps();
-                if (i < n)
+                if (i < n && pairs)
+                    for (int c = 0; c < chunks / 2; c++) part[i] = dot_pairs(part[i], qb[g][c], kb[i][c]);
+                else if (i < n)
                     for (int c = 0; c < chunks; c++) part[i] = _mm512_fmadd_ps(qv[g][c], k[i][c], part[i]);
             }
-            __m512 s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), sum_each(part));
+            __m512 s = sum_each(part);
+            if (pairs) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+            s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), s);
             _mm512_storeu_ps(scores + g * stride + t0, s);
             maxv[g] = _mm512_max_ps(maxv[g], s);
         }
@@ -159,12 +183,14 @@ static void attend_any(const char *q, Rows keys, Rows values, char *out, int len
         attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride);
 }
 
-/* q, out: [B, H, D]; k, v: [blocks, block_size, H_kv, D], contiguous; tables: [B, width] page
- * ids; lens: [B] tokens each sequence attends to (at most max_len); bf16: 1 for bfloat16
- * tensors, 0 for float32; D a multiple of 16. Work is split over (sequence, KV head) pairs. */
-void paged_decode(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
-                  int width, const int32_t *lens, int batch, int heads, int kv_heads, int dim,
-                  int block_size, int max_len, float scale, int bf16, int threads) {
+/* q, out: [B, H, D], a sequence's heads contiguous, sequences q_stride and out_stride elements
+ * apart; k, v: [blocks, block_size, H_kv, D], contiguous; tables: [B, width] page ids; lens:
+ * [B] tokens each sequence attends to (at most max_len); bf16: 1 for bfloat16 tensors, 0 for
+ * float32; D a multiple of 16. Work is split over (sequence, KV head) pairs. */
+void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
+                  int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
+                  int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
+                  float scale, int bf16, int threads) {
     int group = heads / kv_heads, stride = (max_len + TILE - 1) / TILE * TILE;
     int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
 #pragma omp parallel num_threads(threads)
@@ -173,13 +199,14 @@ void paged_decode(const void *q, const void *k, const void *v, void *out, const 
 #pragma omp for schedule(dynamic)
         for (int item = 0; item < batch * kv_heads; item++) {
             int b = item / kv_heads, h = item % kv_heads;
-            int64_t first = ((int64_t)b * heads + (int64_t)h * group) * dim * elem;
+            int64_t head = (int64_t)h * group * dim;
             const int32_t *table = tables + (int64_t)b * width;
             Rows keys = {(const char *)k + h * dim * elem, table, block_size, 0, 0,
                          block_size * token_bytes, token_bytes};
             Rows values = keys;
             values.base = (const char *)v + h * dim * elem;
-            attend_any((const char *)q + first, keys, values, (char *)out + first, lens[b], group,
+            attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
+                       (char *)out + (b * out_stride + head) * elem, lens[b], group,
                        dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE);
         }
         free(scores);

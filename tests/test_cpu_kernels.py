@@ -85,13 +85,16 @@ def test_rope_in_place_matches_the_reference(dtype: torch.dtype, rotary_fraction
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_paged_decode_at_model_head_dims_matches_float64(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 9, 3), (64, 34, 2)])
+def test_paged_decode_at_model_head_dims_matches_float64(
+    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> None:
     """SmolLM2's and Llama's head sizes take the kernel's specialised bodies (and, in bfloat16
-    on a CPU with AVX512-BF16, its pairwise q.k), which the 16-wide test model never reaches."""
+    on a CPU with AVX512-BF16, its pairwise q.k), which the 16-wide test model never reaches;
+    a group of 17 query heads per KV head is wider than the kernel's 16 and goes in two parts."""
     if not kernels.paged_decode_for(torch.device("cpu"), dtype, head_dim):
         pytest.skip("the C decode kernel needs AVX-512")
-    heads, kv_heads, bs, lens = 9, 3, 16, [1, 15, 16, 17, 100, 200]
+    bs, lens = 16, [1, 15, 16, 17, 100, 200]
     pages = _rand(2, 64, bs, kv_heads, head_dim, dtype=dtype, seed=2) / 3
     order = iter(torch.randperm(63, generator=torch.Generator().manual_seed(3)).add(1).tolist())
     tables = [[next(order) for _ in range(-(-n // bs))] for n in lens]

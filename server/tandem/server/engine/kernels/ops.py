@@ -23,6 +23,7 @@ def paged_decode_for(device: torch.device, dtype: torch.dtype, head_dim: int) ->
         cpu_kernels_for(device, dtype)
         and hasattr(library.load(), "paged_decode")
         and head_dim % 16 == 0
+        and head_dim <= 256
     )
 
 

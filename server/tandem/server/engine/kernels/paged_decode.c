@@ -17,6 +17,10 @@
 
 #define INLINE static inline __attribute__((always_inline))
 #define TILE 16
+/* Fixed-size arrays (not sized by the arguments) so that, with group and chunks known where
+ * attend is inlined, the compiler keeps the ones it indexes in registers. */
+#define MAX_GROUP 16
+#define MAX_CHUNKS 16 /* head_dim up to 256 */
 
 INLINE __m512 load16(const char *p, const int bf16) {
     if (!bf16) return _mm512_loadu_ps(p);
@@ -105,8 +109,8 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
     const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
     /* bfloat16 with AVX512-BF16: q.k from the cache's own bits, 32 products an instruction */
     const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0;
-    __m512 qv[group][chunks], acc[group][chunks], maxv[group];
-    __m512i qb[group][chunks / 2 + 1];
+    __m512 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], maxv[MAX_GROUP];
+    __m512i qb[MAX_GROUP][MAX_CHUNKS / 2];
     for (int g = 0; g < group; g++) {
         maxv[g] = _mm512_set1_ps(-INFINITY);
         for (int c = 0; c < chunks; c++) {
@@ -119,8 +123,8 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
     for (int t0 = 0; t0 < len; t0 += TILE) {
         int n = len - t0 < TILE ? len - t0 : TILE;
         __mmask16 real = (__mmask16)((1u << n) - 1);
-        __m512 k[TILE][chunks];
-        __m512i kb[TILE][chunks / 2 + 1];
+        __m512 k[TILE][MAX_CHUNKS];
+        __m512i kb[TILE][MAX_CHUNKS / 2];
         for (int i = 0; i < n; i++) {
             const char *row = next_row(&keys);
             if (pairs)
@@ -157,7 +161,7 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
     }
     for (int t = 0; t < len; t++) {
         const char *row = next_row(&values);
-        __m512 v[chunks];
+        __m512 v[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++) v[c] = load16(row + c * 16 * elem, bf16);
         for (int g = 0; g < group; g++) {
             __m512 p = _mm512_set1_ps(scores[g * stride + t]);
@@ -186,7 +190,8 @@ static void attend_any(const char *q, Rows keys, Rows values, char *out, int len
 /* q, out: [B, H, D], a sequence's heads contiguous, sequences q_stride and out_stride elements
  * apart; k, v: [blocks, block_size, H_kv, D], contiguous; tables: [B, width] page ids; lens:
  * [B] tokens each sequence attends to (at most max_len); bf16: 1 for bfloat16 tensors, 0 for
- * float32; D a multiple of 16. Work is split over (sequence, KV head) pairs. */
+ * float32; D a multiple of 16, at most 16 * MAX_CHUNKS. Work is split over (sequence, KV head)
+ * pairs. */
 void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
@@ -195,19 +200,23 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
     int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)group * stride);
+        float *scores = malloc(sizeof(float) * (size_t)MAX_GROUP * stride);
 #pragma omp for schedule(dynamic)
         for (int item = 0; item < batch * kv_heads; item++) {
             int b = item / kv_heads, h = item % kv_heads;
-            int64_t head = (int64_t)h * group * dim;
             const int32_t *table = tables + (int64_t)b * width;
             Rows keys = {(const char *)k + h * dim * elem, table, block_size, 0, 0,
                          block_size * token_bytes, token_bytes};
             Rows values = keys;
             values.base = (const char *)v + h * dim * elem;
-            attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
-                       (char *)out + (b * out_stride + head) * elem, lens[b], group,
-                       dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE);
+            /* query heads are independent: a group wider than MAX_GROUP goes in parts */
+            for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
+                int64_t head = ((int64_t)h * group + g0) * dim;
+                int part = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+                attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
+                           (char *)out + (b * out_stride + head) * elem, lens[b], part,
+                           dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE);
+            }
         }
         free(scores);
     }

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster, bin_dir, missing_binaries  # noqa: E402
+from e2e.pools import operator_process  # noqa: E402
 from tandem.operator.kube import Kube, load_config  # noqa: E402
 from tandem.operator.render import render  # noqa: E402
 from tandem.operator.spec import load_inference_service  # noqa: E402
@@ -165,27 +166,13 @@ def main() -> int:
         cluster.kubectl("delete", "namespace", "baseline", "--wait=false")
         wait("baseline pods to go", lambda: pods_gone(kube, "baseline"), args.timeout, 1)
 
-        log = (state / "operator.log").open("w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem.server.cli",
-                "operator",
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--liveness",
-                "",
-                "--resync-seconds",
-                "600",
-                "--log-level",
-                args.operator_log_level,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
+        operator = operator_process(
+            cluster,
+            state / "operator.log",
+            "--resync-seconds",
+            "600",
+            "--log-level",
+            args.operator_log_level,
         )
         time.sleep(3)
         _, idle_rss, _ = proc_stats(operator.pid)

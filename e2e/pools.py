@@ -21,6 +21,7 @@ Used by ``bench/autoscale.py --cluster`` and ``e2e/test_autoscaling.py``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -223,24 +224,19 @@ class PlannerPools:
 def start_operator(cluster: Cluster, namespace: str, log: Path) -> subprocess.Popen[bytes]:
     """``tandem operator --no-planner`` on this namespace, with the admin kubeconfig (the
     bench's own cluster; the e2e tests run it under the chart's ServiceAccount instead)."""
+    flags = ["--namespace", namespace, "--no-planner", "--image", "tandem:bench"]
+    return operator_process(cluster, log, *flags)
+
+
+def operator_process(cluster: Cluster, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``tandem operator`` with the cluster's admin kubeconfig, no liveness server and these
+    flags, its output in ``log`` (the benches' operator, outside the cluster)."""
     with log.open("w") as out:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem.server.cli",
-                "operator",
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--namespace",
-                namespace,
-                "--no-planner",
-                "--liveness",
-                "",
-                "--image",
-                "tandem:bench",
-            ],
+            [sys.executable, "-m", "tandem.server.cli", "operator"]
+            + ["--kubeconfig", str(cluster.kubeconfig), "--liveness", "", *flags],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
             cwd=ROOT,
         )

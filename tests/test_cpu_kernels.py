@@ -20,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _need_kernels(request: pytest.FixtureRequest) -> None:
+def _need_kernels() -> None:
     if not kernels.cpu_kernels_for(torch.device("cpu"), torch.float32):
         pytest.skip("no C compiler to build the CPU kernels")
 

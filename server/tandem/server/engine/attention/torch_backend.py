@@ -56,9 +56,10 @@ class _InPlaceDecodes:
         if isinstance(self.rows, slice):
             kernels.paged_decode(q[self.rows], *args, out=out[self.rows])
             return
-        rows = torch.empty_like(q[self.rows])
-        kernels.paged_decode(q[self.rows], *args, out=rows)
-        out[self.rows] = rows
+        rows_q = q[self.rows]
+        rows_out = torch.empty_like(rows_q)
+        kernels.paged_decode(rows_q, *args, out=rows_out)
+        out[self.rows] = rows_out
 
 
 class TorchAttentionBackend(AttentionBackend):

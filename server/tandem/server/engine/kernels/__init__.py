@@ -1,8 +1,8 @@
 """C kernels for the CPU path, built once per machine and called through ctypes.
 
-``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only); ``layers.c`` holds
-the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary embedding), one pass each
-instead of several torch ops. ``library.py`` builds and loads them; ``ops.py`` is the typed
+``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only);
+``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
+embedding), one pass each instead of several torch ops. ``library.py`` builds and loads them; ``ops.py`` is the typed
 Python side. Every kernel has a plain PyTorch reference that runs where they cannot (no C
 compiler, a GPU, float16) and that the tests compare them against.
 """

@@ -38,10 +38,10 @@ def paged_decode(
 ) -> None:
     """One query token per sequence over its pages, read in place, written into ``out``.
 
-    q, out: ``[B, H, D]``, rows of the step's q and output (out with each sequence's heads
-    contiguous; q is copied only if its are not); pages: one layer's ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's
-    dtype); tables: ``[B, width]`` int32 page ids; lens: ``[B]`` int32 tokens each attends to
-    (at most ``max_len``).
+    q, out: ``[B, H, D]``, rows of the step's q and output, each sequence's heads contiguous
+    in ``out`` (q is copied only where its are not); pages: one layer's
+    ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's dtype); tables: ``[B, width]`` int32
+    page ids; lens: ``[B]`` int32 tokens each attends to (at most ``max_len``).
     """
     batch, heads, dim = q.shape
     _, _, block_size, kv_heads, _ = pages.shape

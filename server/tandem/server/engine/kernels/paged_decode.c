@@ -113,12 +113,12 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
     __m512i qb[MAX_GROUP][MAX_CHUNKS / 2];
     for (int g = 0; g < group; g++) {
         maxv[g] = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < chunks; c++) {
-            qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
-            acc[g][c] = _mm512_setzero_ps();
-        }
+        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
         if (pairs)
             for (int c = 0; c < chunks / 2; c++) qb[g][c] = _mm512_loadu_si512(q + (g * dim + c * 32) * 2);
+        else
+            for (int c = 0; c < chunks; c++)
+                qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
     }
     for (int t0 = 0; t0 < len; t0 += TILE) {
         int n = len - t0 < TILE ? len - t0 : TILE;

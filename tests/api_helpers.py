@@ -16,6 +16,8 @@ import pytest
 
 from tandem.server.net import free_port
 
+from .model_specs import api_spec, on_gpu
+
 API_KEY = "sk-test-key"
 ADMIN_KEY = "sk-test-admin"  # /pause, /abort_request, ... (docs/security.md)
 # Small enough for a 2-core CPU; max_model_len 512 makes an oversized prompt cheap to build.
@@ -28,13 +30,14 @@ ENGINE_FLAGS = [
     "512",
     "--block-size",
     "16",
+    *(["--dtype", "bfloat16"] if on_gpu() else []),
 ]
 
 
 def make_model(root: Path, arch: str = "llama") -> str:
-    from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
+    from tandem.server.engine.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(str(root / arch), TinyModelSpec(arch=arch)))
+    return str(make_tiny_model(str(root / arch), api_spec(arch)))
 
 
 class ChildProcess:

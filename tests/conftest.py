@@ -9,6 +9,8 @@ import pytest
 
 from tandem.server.engine.tiny_model import ARCHS, TinyModelSpec, make_tiny_model
 
+from .model_specs import GPU_SPECS, on_gpu
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -19,5 +21,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def llama_dir(tiny_models: dict[str, Path]) -> Path:
+def gpu_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu-models")
+    return {arch: make_tiny_model(root / arch, spec) for arch, spec in GPU_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> Path:
+    if on_gpu():
+        return request.getfixturevalue("gpu_models")["llama"]
     return tiny_models["llama"]

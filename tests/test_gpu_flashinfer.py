@@ -282,21 +282,22 @@ FAKE = types.SimpleNamespace(
 
 
 # ----- scenarios ------------------------------------------------------------------------------
-H, H_KV, D, BS, BLOCKS = 8, 2, 32, 16, 64
+# FlashInfer builds kernels for head sizes 64, 128 and 256; 128 is the real models'.
+H, H_KV, D, BS, BLOCKS = 8, 2, 128, 16, 64
 
 
-def _cache(dtype, device) -> KVCache:
-    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H_KV, head_dim=D)
+def _cache(dtype, device, kv_heads: int = H_KV) -> KVCache:
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=kv_heads, head_dim=D)
     return KVCache(cfg, BLOCKS, BS, dtype, device)
 
 
-def _scenario(seqs: list[tuple[int, int]], dtype, device, seed: int = 0):
+def _scenario(seqs: list[tuple[int, int]], dtype, device, seed: int = 0, kv_heads: int = H_KV):
     """seqs: (context already cached, new tokens). Returns caches, layout, q, k, v."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     free = list(range(1, BLOCKS))
     rng.shuffle(free)
-    cache = _cache(dtype, device)
+    cache = _cache(dtype, device, kv_heads)
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
     tables, slots, q_lens, kv_lens = [], [], [], []
     for cached, new in seqs:
@@ -308,8 +309,8 @@ def _scenario(seqs: list[tuple[int, int]], dtype, device, seed: int = 0):
         kv_lens.append(total)
     n = sum(q_lens)
     q = torch.randn(n, H, D, generator=gen).to(dtype).to(device)
-    k = torch.randn(n, H_KV, D, generator=gen).to(dtype).to(device)
-    v = torch.randn(n, H_KV, D, generator=gen).to(dtype).to(device)
+    k = torch.randn(n, kv_heads, D, generator=gen).to(dtype).to(device)
+    v = torch.randn(n, kv_heads, D, generator=gen).to(dtype).to(device)
     layout = BatchLayout(
         q_lens, kv_lens, tables, torch.tensor(slots, dtype=torch.int64, device=device)
     )
@@ -327,9 +328,11 @@ SCENARIOS = {
 }
 
 
-def _compare(fi_backend_factory, dtype, device, name: str, tol: float) -> None:
-    cache, layout, q, k, v = _scenario(SCENARIOS[name], dtype, device)
-    ref_cache = _cache(dtype, device)
+def _compare(
+    fi_backend_factory, dtype, device, name: str, tol: float, kv_heads: int = H_KV
+) -> None:
+    cache, layout, q, k, v = _scenario(SCENARIOS[name], dtype, device, kv_heads=kv_heads)
+    ref_cache = _cache(dtype, device, kv_heads)
     ref_cache.data.copy_(cache.data)
     ref = TorchAttentionBackend(ref_cache, D**-0.5).plan(layout).forward(0, q.clone(), k, v)
     out = fi_backend_factory(cache).plan(layout).forward(0, q.clone(), k, v)
@@ -398,15 +401,17 @@ def test_graph_step_pads_onto_the_null_page() -> None:
 # ----- the real kernels (GPU) -----------------------------------------------------------------
 @needs_gpu
 @pytest.mark.cuda
+@pytest.mark.parametrize("kv_heads", [2, 4])  # groups of 4 (tensor-core decode) and of 2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_flashinfer_matches_torch_on_gpu(name: str, dtype) -> None:
+def test_flashinfer_matches_torch_on_gpu(name: str, dtype, kv_heads: int) -> None:
     _compare(
         lambda c: FlashInferAttentionBackend(c, D**-0.5, H),
         dtype,
         torch.device("cuda"),
         name,
         tol=2e-2,
+        kv_heads=kv_heads,
     )
 
 
@@ -422,11 +427,11 @@ def _greedy(model_dir, **kw) -> list[list[int]]:
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_tokens_flashinfer_vs_torch_float16(tiny_models, arch: str) -> None:
+def test_engine_tokens_flashinfer_vs_torch_float16(gpu_models, arch: str) -> None:
     """float16 (FlashInfer has no float32 kernels): every greedy token equal on the tiny models."""
-    ref = _greedy(tiny_models[arch], dtype="float16", attention_backend="torch", enforce_eager=True)
+    ref = _greedy(gpu_models[arch], dtype="float16", attention_backend="torch", enforce_eager=True)
     got = _greedy(
-        tiny_models[arch], dtype="float16", attention_backend="flashinfer", enforce_eager=True
+        gpu_models[arch], dtype="float16", attention_backend="flashinfer", enforce_eager=True
     )
     assert got == ref
 
@@ -434,12 +439,10 @@ def test_engine_tokens_flashinfer_vs_torch_float16(tiny_models, arch: str) -> No
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_tokens_flashinfer_vs_torch_bfloat16(tiny_models, arch: str) -> None:
-    ref = _greedy(
-        tiny_models[arch], dtype="bfloat16", attention_backend="torch", enforce_eager=True
-    )
+def test_engine_tokens_flashinfer_vs_torch_bfloat16(gpu_models, arch: str) -> None:
+    ref = _greedy(gpu_models[arch], dtype="bfloat16", attention_backend="torch", enforce_eager=True)
     got = _greedy(
-        tiny_models[arch], dtype="bfloat16", attention_backend="flashinfer", enforce_eager=True
+        gpu_models[arch], dtype="bfloat16", attention_backend="flashinfer", enforce_eager=True
     )
     assert [g[:16] for g in got] == [r[:16] for r in ref]
 

@@ -144,17 +144,17 @@ def _tokens(model_dir, **kw):
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graphs_on_and_off_give_the_same_tokens(tiny_models, arch: str) -> None:
-    graphs, with_graphs = _tokens(tiny_models[arch], attention_backend="flashinfer")
+def test_graphs_on_and_off_give_the_same_tokens(gpu_models, arch: str) -> None:
+    graphs, with_graphs = _tokens(gpu_models[arch], attention_backend="flashinfer")
     assert graphs.engine.worker.runner.graph_sizes == [1, 2, 4, 8, 16, 32]
-    _, eager = _tokens(tiny_models[arch], attention_backend="flashinfer", enforce_eager=True)
+    _, eager = _tokens(gpu_models[arch], attention_backend="flashinfer", enforce_eager=True)
     assert with_graphs == eager
 
 
 @needs_gpu
 @pytest.mark.cuda
-def test_graphs_survive_sleep_and_wake(tiny_models) -> None:
-    llm, first = _tokens(tiny_models["llama"], attention_backend="flashinfer")
+def test_graphs_survive_sleep_and_wake(gpu_models) -> None:
+    llm, first = _tokens(gpu_models["llama"], attention_backend="flashinfer")
     llm.engine.sleep(1)
     llm.engine.wake_up()
     assert llm.engine.worker.runner.graph_sizes

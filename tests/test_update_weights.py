@@ -429,20 +429,32 @@ def test_every_tensor_parallel_rank_loads_the_new_weights(models, reference, pro
     assert not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_captured_cuda_graphs_run_the_new_weights(models, prompt_ids) -> None:
+def test_captured_cuda_graphs_run_the_new_weights(tmp_path, prompt_ids) -> None:
     """The swap copies into the parameters in place, so decode steps replayed from graphs
-    captured on A's weights compute with B's: the same tokens as an engine started on B."""
-    from tandem.server.engine import LLM, SamplingParams
+    captured on A's weights compute with B's: the same tokens as an engine started on B
+    (bfloat16 through FlashInfer, the path that captures graphs)."""
+    from dataclasses import replace
 
+    from tandem.server.engine import LLM, SamplingParams
+    from tandem.server.engine.tiny_model import make_tiny_model
+
+    from .model_specs import GPU_SPECS
+
+    a, b = (
+        str(make_tiny_model(tmp_path / name, replace(GPU_SPECS["llama"], seed=seed)))
+        for name, seed in (("a", 0), ("b", 1))
+    )
     params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", kv_cache_tokens=2048)
-    fresh = LLM(models["b"], **kw)
+    kw = dict(device="cuda", dtype="bfloat16", kv_cache_tokens=2048)
+    fresh = LLM(b, **kw)
     expected = fresh.generate([prompt_ids], params)[0].token_ids
     fresh.engine.close()
     del fresh
-    llm = LLM(models["a"], **kw)
+    llm = LLM(a, **kw)
+    assert llm.engine.worker.runner.graph_sizes
     assert llm.generate([prompt_ids], params)[0].token_ids != expected
-    llm.engine.update_weights(models["b"])
+    llm.engine.update_weights(b)
     assert llm.generate([prompt_ids], params)[0].token_ids == expected
     llm.engine.close()

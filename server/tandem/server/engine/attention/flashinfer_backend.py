@@ -34,6 +34,10 @@ from .base import AttentionBackend, AttentionStep, BatchLayout
 
 WORKSPACE_BYTES = 128 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# FlashInfer builds its kernels on first use. Its FA2 prefill module also serves tensor-core
+# decode (same template arguments), so one build covers both; "auto" would pick FA3 on Hopper
+# for prefill alone, a second and much longer build per dtype and head size.
+PREFILL_BACKEND = "fa2"
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # Tensor cores pay off for decode once a KV head serves several query heads.
         self.use_tensor_cores = num_qo_heads // self.num_kv_heads >= 4
-        self.prefill_wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        prefill = fi.BatchPrefillWithPagedKVCacheWrapper
+        self.prefill_wrapper = prefill(
+            self.workspace, "NHD", **accepted_kwargs(prefill.__init__, backend=PREFILL_BACKEND)
+        )
         self.decode_wrapper = self._decode_wrapper()
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_buffers: dict[str, torch.Tensor] = {}

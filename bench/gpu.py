@@ -6,15 +6,19 @@ Qwen3-0.6B and Llama-3.1-8B (their published config.json) with random bfloat16 w
 on the GPU, saved into the model's directory; Tandem loads them from there, so both sides run
 the same model on the same prompts.
 
-Per model it prints:
-  * Tandem's output tokens/s over the whole workload (one ``generate`` call);
-  * transformers' output tokens/s on the same prompts, as left-padded batches of
-    ``--hf-batch-size`` (its KV cache for all 256 at once does not fit beside the 8B weights),
-    each batch generating up to its longest requested output; tokens/s counts the tokens
-    that were asked for; and the ratio;
-  * a decode step at batch 1 (``--decode-context`` tokens of context; CUDA graphs when on),
-    against the physical floor: the bytes a step must read (weights, plus the KV of the
-    context) over the device bandwidth measured by a large device-to-device copy.
+Per model it prints, each against a baseline or a limit measured in the same run:
+  * transformers first (then freed, so Tandem sizes its KV cache from a clean device):
+    static ``generate`` on the first ``--hf-seqs`` prompts as left-padded batches of
+    ``--hf-batch-size``, each batch generating up to its longest requested output (tokens/s
+    counts the tokens asked for); and its continuous batching (``generate_batch``) on the
+    same prompts with ``--cb-tokens`` new tokens each;
+  * Tandem's output tokens/s over the whole workload (one ``generate`` call), and on the
+    continuous-batching workload, with the ratios;
+  * a decode step at batch 1, 8, 64 and 256 (``--decode-context`` tokens of context per row;
+    CUDA graphs when on) against the physical floor: the bytes a step must read (weights, plus
+    every row's KV) over the bandwidth of a large device-to-device copy;
+  * one prefill of ``--prefill-tokens`` tokens: tokens/s, and its FLOP rate against an
+    8192 x 8192 x 8192 matrix product in the model's dtype.
 
     python bench/gpu.py                         # both models; needs CUDA
     python bench/gpu.py --models qwen3-0.6b --num-seqs 64
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import random
 import shutil
@@ -184,10 +189,10 @@ def step_bytes(
     return total, kv
 
 
-def run_tandem(path: Path, prompts, outputs, args, device: torch.device, dtype_name: str):
-    from tandem.server.engine import LLM, SamplingParams
+def make_tandem(path: Path, args, device: torch.device, dtype_name: str):
+    from tandem.server.engine import LLM
 
-    llm = LLM(
+    return LLM(
         str(path),
         device=str(device),
         dtype=dtype_name,
@@ -197,6 +202,12 @@ def run_tandem(path: Path, prompts, outputs, args, device: torch.device, dtype_n
         gpu_memory_utilization=args.gpu_memory_utilization,
         **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
     )
+
+
+def run_tandem(llm, prompts, outputs, device: torch.device) -> tuple[float, int]:
+    """Seconds and output tokens of one ``generate`` over the prompts (greedy, ignore_eos)."""
+    from tandem.server.engine import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]])  # warm-up
     sync(device)
@@ -206,32 +217,77 @@ def run_tandem(path: Path, prompts, outputs, args, device: torch.device, dtype_n
     elapsed = time.perf_counter() - start
     produced = sum(len(r.token_ids) for r in results)
     assert produced == sum(outputs), (produced, sum(outputs))
-    return llm, elapsed, produced
+    return elapsed, produced
 
 
-def decode_step_time(llm, context: int, device: torch.device, iters: int) -> float:
-    """Seconds per forward of one decode row with ``context`` tokens of context (logits included)."""
+def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Seconds per call of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def decode_step_time(llm, batch: int, context: int, device: torch.device, iters: int) -> float:
+    """Seconds per forward of ``batch`` decode rows, each with ``context`` tokens of its own
+    context (logits included; a CUDA graph replays when one holds the batch)."""
     from tandem.server.engine.model_runner import StepInputs
 
     runner = llm.engine.worker.runner
     bs = llm.engine.config.block_size
-    blocks = list(range(1, -(-context // bs) + 1))
-    if blocks[-1] >= runner.num_blocks:
-        raise SystemExit(
-            f"--decode-context {context} does not fit the KV cache ({runner.num_blocks} blocks)"
-        )
+    per_row = -(-context // bs)
+    if batch * per_row >= runner.num_blocks:
+        raise SystemExit(f"{batch} rows of {context} tokens do not fit the KV cache")
+    tables = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(batch)]
     pos = context - 1
+    slots = [t[pos // bs] * bs + pos % bs for t in tables]
     inputs = StepInputs(
-        [11], [pos], [blocks[pos // bs] * bs + pos % bs], [1], [context], [blocks], [0]
-    )
-    for _ in range(5):
-        runner.run(inputs)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        runner.run(inputs)
-    sync(device)
-    return (time.perf_counter() - start) / iters
+        [11] * batch, [pos] * batch, slots, [1] * batch, [context] * batch, tables,
+        list(range(batch)),
+    )  # fmt: skip
+    return timed(lambda: runner.run(inputs), device, iters)
+
+
+def prefill_time(llm, tokens: int, device: torch.device, iters: int) -> float:
+    """Seconds per forward of one ``tokens``-long prompt in a single step (last row's logits)."""
+    from tandem.server.engine.model_runner import StepInputs
+
+    runner = llm.engine.worker.runner
+    bs = llm.engine.config.block_size
+    table = list(range(1, 1 + -(-tokens // bs)))
+    slots = [table[p // bs] * bs + p % bs for p in range(tokens)]
+    ids = [11 + p % 1000 for p in range(tokens)]
+    inputs = StepInputs(ids, list(range(tokens)), slots, [tokens], [tokens], [table], [tokens - 1])
+    return timed(lambda: runner.run(inputs), device, iters, warmup=1)
+
+
+def prefill_flops(cfg: dict, body_params: int, tokens: int) -> float:
+    """Matrix FLOPs of a causal prefill: 2 per weight per token, and QK^T plus PV over the
+    lower triangle (2 * n^2 * heads * head_dim per layer)."""
+    attn = cfg["num_hidden_layers"] * 2 * tokens**2 * cfg["num_attention_heads"] * cfg["head_dim"]
+    return 2 * body_params * tokens + attn
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n product in ``dtype`` on random data."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / timed(lambda: a @ b, device, 10)
+
+
+def body_parameters(model: torch.nn.Module) -> int:
+    """Weights a prompt token multiplies by: everything but the embedding and the lm_head."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or "embed_tokens" in name or "lm_head" in name:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
 
 
 def run_transformers(
@@ -263,54 +319,124 @@ def run_transformers(
     return total_time, produced
 
 
+def run_transformers_cb(model, prompts, new_tokens: int, device: torch.device) -> tuple[float, int]:
+    """transformers' continuous batching (``generate_batch``): seconds and tokens generated."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    # The warm-up run (graph capture, cache sizing) is the same workload, and its manager is
+    # kept for the timed run, as Tandem's engine is built before its clock starts.
+    keep = "persistent_manager" in inspect.signature(model.generate_batch).parameters
+    kw = {"persistent_manager": True} if keep else {}
+    model.generate_batch(inputs=prompts, generation_config=config, **kw)
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=config, **kw)
+    sync(device)
+    return time.perf_counter() - start, sum(len(o.generated_tokens) for o in out.values())
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def transformers_baselines(hf, prompts, outputs, args, device) -> dict[str, float]:
+    """Output tokens/s of static ``generate`` (tokens asked for) and of continuous batching."""
+    hf_prompts, hf_outputs = prompts[: args.hf_seqs], outputs[: args.hf_seqs]
+    t_hf, n_hf = run_transformers(hf, hf_prompts, hf_outputs, args.hf_batch_size, device)
+    rates = {"static": sum(hf_outputs) / t_hf}
+    print(
+        f"transformers generate   {t_hf:8.2f} s  {rates['static']:10.1f} output tok/s asked for "
+        f"({args.hf_seqs} sequences in batches of {args.hf_batch_size}; {n_hf} generated)",
+        flush=True,
+    )
+    try:
+        t_cb, n_cb = run_transformers_cb(hf, hf_prompts, args.cb_tokens, device)
+        rates["cb"] = n_cb / t_cb
+        print(
+            f"transformers CB         {t_cb:8.2f} s  {rates['cb']:10.1f} output tok/s "
+            f"({args.hf_seqs} sequences x {args.cb_tokens} tokens)",
+            flush=True,
+        )
+    except Exception as exc:  # a baseline that cannot run is reported, not fatal
+        print(f"transformers CB: did not run ({type(exc).__name__}: {exc})", flush=True)
+    return rates
+
+
+def report_decode(llm, cfg: dict, args, device: torch.device, dtype: torch.dtype) -> None:
+    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    weights, kv = step_bytes(llm.engine.worker.runner.model, cfg, args.decode_context, dtype)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    for batch in args.decode_batches:
+        step = decode_step_time(llm, batch, args.decode_context, device, args.decode_iters)
+        floor = (weights + batch * kv) / bandwidth
+        print(
+            f"decode step, batch {batch:3d}, context {args.decode_context}: {step * 1e3:7.3f} ms; "
+            f"floor {floor * 1e3:7.3f} ms ({weights / 1e9:.2f} GB weights + "
+            f"{batch * kv / 1e9:.2f} GB KV); {floor / step:.2f} of the floor's speed; "
+            f"{batch / step:8.0f} tok/s",
+            flush=True,
+        )
+
+
+def report_prefill(llm, cfg: dict, args, device: torch.device, dtype: torch.dtype) -> None:
+    seconds = prefill_time(llm, args.prefill_tokens, device, iters=3)
+    flops = prefill_flops(cfg, body_parameters(llm.engine.worker.runner.model), args.prefill_tokens)
+    rate = matmul_rate(dtype, device, 8192 if device.type == "cuda" else 512)
+    print(
+        f"prefill {args.prefill_tokens} tokens: {seconds * 1e3:.1f} ms, "
+        f"{args.prefill_tokens / seconds:.0f} tok/s, {flops / seconds / 1e12:.0f} TFLOP/s = "
+        f"{flops / seconds / rate:.2f} of the {rate / 1e12:.0f} TFLOP/s matrix product measured",
+        flush=True,
+    )
+
+
 def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src: Path) -> None:
     cfg = SHAPES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype_name = str(dtype).removeprefix("torch.")
     path = model_dir(name, root, tokenizer_src)
-    lo, hi = (args.min_len, args.max_len)
-    prompts, outputs = workload(args.num_seqs, cfg["vocab_size"], lo, hi, args.seed)
-    wanted = sum(outputs)
+    prompts, outputs = workload(
+        args.num_seqs, cfg["vocab_size"], args.min_len, args.max_len, args.seed
+    )
     print(
         f"\n== {name}: {args.num_seqs} sequences, {sum(map(len, prompts))} prompt tokens, "
-        f"{wanted} output tokens, {dtype_name} on {device}",
+        f"{sum(outputs)} output tokens, {dtype_name} on {device}",
         flush=True,
     )
-
     hf = random_hf_model(path, dtype, device, args.seed)
     hf.save_pretrained(path)  # the checkpoint Tandem loads: the very tensors transformers holds
-    llm, t_ours, n_ours = run_tandem(path, prompts, outputs, args, device, dtype_name)
+    base = transformers_baselines(hf, prompts, outputs, args, device)
+    del hf
+    free(device)
+
+    llm = make_tandem(path, args, device, dtype_name)
     runner = llm.engine.worker.runner
+    t_ours, n_ours = run_tandem(llm, prompts, outputs, device)
+    graphs = f"up to {runner.graph_sizes[-1]}" if runner.graph_sizes else "off"
     print(
-        f"tandem        {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s  "
-        f"(backend {runner.backend.name}, CUDA graphs {runner.graph_sizes[-1:] and 'up to ' + str(runner.graph_sizes[-1]) or 'off'})",
+        f"tandem                  {t_ours:8.2f} s  {n_ours / t_ours:10.1f} output tok/s "
+        f"(backend {runner.backend.name}, CUDA graphs {graphs}); "
+        f"{n_ours / t_ours / base['static']:.2f}x transformers generate",
         flush=True,
     )
-
-    step = decode_step_time(llm, args.decode_context, device, args.decode_iters)
-    weights, kv = step_bytes(llm.engine.worker.runner.model, cfg, args.decode_context, dtype)
-    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
-    floor = (weights + kv) / bandwidth
-    del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    t_hf, n_hf = run_transformers(hf, prompts, outputs, args.hf_batch_size, device)
-    print(
-        f"transformers  {t_hf:8.2f} s  {wanted / t_hf:10.1f} output tok/s asked for "
-        f"({n_hf / t_hf:.1f} tok/s counting all {n_hf} generated; batches of {args.hf_batch_size})"
-    )
-    print(f"ratio tandem/transformers: {(n_ours / t_ours) / (wanted / t_hf):.2f}x")
-    print(
-        f"decode step, batch 1, context {args.decode_context}: {step * 1e3:.3f} ms; floor {floor * 1e3:.3f} ms "
-        f"= ({weights / 1e9:.3f} GB weights + {kv / 1e9:.3f} GB KV) / {bandwidth / 1e9:.0f} GB/s measured; "
-        f"{floor / step * 100:.0f}% of the floor"
-    )
-    del hf
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if "cb" in base:
+        cb_prompts = prompts[: args.hf_seqs]
+        t_cb, n_cb = run_tandem(llm, cb_prompts, [args.cb_tokens] * len(cb_prompts), device)
+        print(
+            f"tandem, CB workload     {t_cb:8.2f} s  {n_cb / t_cb:10.1f} output tok/s; "
+            f"{n_cb / t_cb / base['cb']:.2f}x transformers CB",
+            flush=True,
+        )
+    report_decode(llm, cfg, args, device, dtype)
+    report_prefill(llm, cfg, args, device, dtype)
+    llm.engine.close()
+    del llm, runner
+    free(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--hf-seqs", type=int, default=None, help="prompts the baselines run")
+    parser.add_argument("--cb-tokens", type=int, default=None)
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=None)
+    parser.add_argument("--prefill-tokens", type=int, default=None)
     parser.add_argument("--decode-context", type=int, default=None)
     parser.add_argument("--decode-iters", type=int, default=50)
     parser.add_argument("--bandwidth-bytes", type=int, default=None)
@@ -338,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         models = args.models or ["tiny-qwen3"]
         defaults = dict(
-            num_seqs=8, min_len=16, max_len=48, decode_context=64, bandwidth_bytes=64 << 20
-        )
+            num_seqs=8, min_len=16, max_len=48, decode_context=64, bandwidth_bytes=64 << 20,
+            hf_seqs=4, cb_tokens=8, decode_batches=[1, 4], prefill_tokens=64,
+        )  # fmt: skip
         args.kv_cache_tokens = args.kv_cache_tokens or 8192
         args.decode_iters = min(args.decode_iters, 10)
     else:
@@ -353,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         models = args.models or ["qwen3-0.6b", "llama-3.1-8b"]
         defaults = dict(
-            num_seqs=256, min_len=100, max_len=1024, decode_context=512, bandwidth_bytes=1 << 30
-        )
+            num_seqs=256, min_len=100, max_len=1024, decode_context=512, bandwidth_bytes=1 << 30,
+            hf_seqs=64, cb_tokens=256, decode_batches=[1, 8, 64, 256], prefill_tokens=4096,
+        )  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

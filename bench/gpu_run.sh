@@ -5,7 +5,7 @@
 #     bash bench/gpu_run.sh wheels        # .whl/: FlashInfer and what the GPU image lacks
 # There, in the repository root, with .whl (and .fi-aot, once a run has built the kernels)
 # carried along, any stages in order:
-#     bash bench/gpu_run.sh setup warm aot tests serve bench
+#     bash bench/gpu_run.sh setup warm aot tests serve bench-small bench-8b serving
 # Every stage writes $OUT/<stage>.log (OUT defaults to /tmp/gpu-out) and prints its tail;
 # a stage that fails or runs out of time does not stop the next.
 set -uo pipefail
@@ -84,10 +84,15 @@ tests() {
 }
 
 serve() {
-  # The API tests against `tandem serve` (and the proxy over prefill + decode) on the GPU:
-  # bf16 models at head size 128, FlashInfer, CUDA graphs.
-  TANDEM_TEST_GPU=1 python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" -x \
-    tests/test_structured_api.py tests/test_api_lifecycle.py tests/test_pd_http.py
+  # The API tests against `tandem serve`, the proxy over prefill + decode, and `tandem up`,
+  # on the GPU: bf16 models at head size 128, FlashInfer, CUDA graphs.
+  TANDEM_TEST_GPU=1 python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+    tests/test_structured_api.py tests/test_api_lifecycle.py tests/test_pd_http.py \
+    tests/test_local_up.py
+}
+
+serving() {
+  python3 bench/gpu_serve.py "$@"
 }
 
 bench() {
@@ -95,27 +100,28 @@ bench() {
 }
 
 run_stage() {
-  local stage=$1 limit=$2
-  shift 2
-  echo "=== $stage (limit ${limit}s) $(date +%T)"
+  local name=$1 stage=$2 limit=$3
+  shift 3
+  echo "=== $name (limit ${limit}s) $(date +%T)"
   local start=$SECONDS
   timeout "$limit" bash -c "$(declare -f "$stage"); $(declare -p SITE FLASHINFER_VERSION OUT); $stage $*" \
-    >"$OUT/$stage.log" 2>&1
+    >"$OUT/$name.log" 2>&1
   local rc=$?
-  tail -n 40 "$OUT/$stage.log"
-  echo "=== $stage: rc=$rc in $((SECONDS - start))s"
+  tail -n 40 "$OUT/$name.log"
+  echo "=== $name: rc=$rc in $((SECONDS - start))s"
 }
 
 for stage in "$@"; do
   case "$stage" in
     wheels) wheels ;;
-    setup) run_stage setup 120 ;;
-    warm) run_stage warm 300 ;;
-    aot) run_stage aot 60 ;;
-    tests) run_stage tests 240 ;;
-    serve) run_stage serve 200 ;;
-    bench-small) run_stage bench 300 --models qwen3-0.6b ;;
-    bench-8b) run_stage bench 420 --models llama-3.1-8b ;;
+    setup) run_stage setup setup 120 ;;
+    warm) run_stage warm warm 300 ;;
+    aot) run_stage aot aot 60 ;;
+    tests) run_stage tests tests 240 ;;
+    serve) run_stage serve serve 240 ;;
+    bench-small) run_stage bench-small bench 300 --models qwen3-0.6b ;;
+    bench-8b) run_stage bench-8b bench 420 --models llama-3.1-8b ;;
+    serving) run_stage serving serving 420 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -3,7 +3,8 @@
 FlashInfer builds kernels for head sizes 64, 128 and 256, not the tiny models' 16, so the GPU
 tests use models as small at head size 128: llama's 4 query heads share one KV head (the
 tensor-core decode path, as Llama-3.1-8B's groups of 4), qwen2's and qwen3's two each.
-``TANDEM_TEST_GPU=1`` makes the API tests' engines use these, in bfloat16.
+Their checkpoints are bfloat16, so an engine on ``--dtype auto`` takes FlashInfer and CUDA
+graphs. ``TANDEM_TEST_GPU=1`` makes the API tests' engines (and ``tandem up``'s) use these.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import os
 
 from tandem.server.engine.tiny_model import TinyModelSpec
 
+_GPU = dict(seed=1, intermediate_size=1024, dtype="bfloat16")
 GPU_SPECS = {
-    "llama": TinyModelSpec(
-        "llama", 1, hidden_size=512, intermediate_size=1024, num_key_value_heads=1
-    ),
-    "qwen2": TinyModelSpec("qwen2", 1, hidden_size=512, intermediate_size=1024),
-    "qwen3": TinyModelSpec("qwen3", 1, hidden_size=256, intermediate_size=512),
+    "llama": TinyModelSpec("llama", hidden_size=512, num_key_value_heads=1, **_GPU),
+    "qwen2": TinyModelSpec("qwen2", hidden_size=512, **_GPU),
+    "qwen3": TinyModelSpec("qwen3", hidden_size=256, **_GPU),
 }
 
 

@@ -415,36 +415,8 @@ def test_flashinfer_matches_torch_on_gpu(name: str, dtype, kv_heads: int) -> Non
     )
 
 
-def _greedy(model_dir, **kw) -> list[list[int]]:
-    from tandem.server.engine import LLM, SamplingParams
-
-    prompts = [[5, 17, 99, 300, 41], list(range(40, 140)), [7, 8] * 30, [3] * 3]
-    llm = LLM(str(model_dir), device="cuda", kv_cache_tokens=8192, max_num_batched_tokens=64, **kw)
-    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    return [o.token_ids for o in out]
-
-
-@needs_gpu
-@pytest.mark.cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_tokens_flashinfer_vs_torch_float16(gpu_models, arch: str) -> None:
-    """float16 (FlashInfer has no float32 kernels): every greedy token equal on the tiny models."""
-    ref = _greedy(gpu_models[arch], dtype="float16", attention_backend="torch", enforce_eager=True)
-    got = _greedy(
-        gpu_models[arch], dtype="float16", attention_backend="flashinfer", enforce_eager=True
-    )
-    assert got == ref
-
-
-@needs_gpu
-@pytest.mark.cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_engine_tokens_flashinfer_vs_torch_bfloat16(gpu_models, arch: str) -> None:
-    ref = _greedy(gpu_models[arch], dtype="bfloat16", attention_backend="torch", enforce_eager=True)
-    got = _greedy(
-        gpu_models[arch], dtype="bfloat16", attention_backend="flashinfer", enforce_eager=True
-    )
-    assert [g[:16] for g in got] == [r[:16] for r in ref]
+# The engine's tokens with FlashInfer (graphs on and off) and with the torch backend, each
+# against transformers in float32: tests/test_gpu_exactness.py.
 
 
 @needs_gpu

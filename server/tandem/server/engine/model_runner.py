@@ -190,8 +190,9 @@ class ModelRunner:
         """An explicit token count wins; else a fraction of device memory after the weights.
 
         On a GPU, ``gpu_memory_utilization`` is the share of the device's total memory this
-        engine may hold; what the weights (and anything else on the device) already use, and
-        a reserve for activations, come off it. On CPU: a fraction of available RAM, capped.
+        engine may hold (per engine, as vLLM's: two engines at 0.45 share one GPU); what this
+        process already holds (the weights) and a reserve for activations come off it, and it
+        never takes more than is free. On CPU: a fraction of available RAM, capped.
         """
         cfg = self.config
         if cfg.kv_cache_tokens is not None:
@@ -201,9 +202,8 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = (
-                int(total * cfg.gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE_BYTES
-            )
+            share = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_reserved(self.device)
+            budget = min(share, free) - ACTIVATION_RESERVE_BYTES
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(int(available * cfg.gpu_memory_utilization), cfg.max_kv_cache_bytes)

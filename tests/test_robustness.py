@@ -11,9 +11,12 @@ import asyncio
 import json
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tandem.server.api.chat_history import ChatHistories
@@ -21,7 +24,7 @@ from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
 from tandem.server.proxy.app import ProxySettings, build_app
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess
+from .api_helpers import ENGINE_FLAGS, ServerProcess, held, wait_until
 from .test_engine_api import drain
 from .test_proxy_helpers import ProxyProcess, stop_all
 
@@ -389,3 +392,90 @@ def test_update_weights_for_a_model_nobody_serves_is_a_404(plane) -> None:
     body = json.dumps({"model": "no-such-model", "model_path": "/nowhere"})
     err = _is_error(_raw(proxy.url, "/update_weights", body, key=ADMIN), 404)
     assert (err["code"], err["param"]) == ("model_not_found", "model")
+
+
+# ----- one client's request cannot fail another's (issue 26, item 1) --------------------------
+# Each used to crash the engine step (an out-of-range token, or none allowed) and with it every
+# key's requests in flight. Now: the first two are served, the schema is a 400 before it
+# reaches the engine, and the grammar that runs out of tokens ends its own request alone.
+HOSTILE: dict[str, dict[str, Any]] = {
+    "temperature 1e-300": {"temperature": 1e-300},
+    "repetition_penalty 1e-300": {"extra_body": {"repetition_penalty": 1e-300}},
+    "a schema that is only a reference to itself": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "loop", "schema": {"$ref": "#"}},
+        }
+    },
+    "a grammar that ends before min_tokens": {
+        "max_tokens": 40,
+        "extra_body": {"guided_choice": ["yes"], "min_tokens": 30},
+    },
+}
+EXPECTED = {
+    "temperature 1e-300": "length",
+    "repetition_penalty 1e-300": "length",
+    "a schema that is only a reference to itself": "invalid_schema",
+    "a grammar that ends before min_tokens": "no_token_allowed",
+}
+STREAMED = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "tell me about caches"}],
+    "max_tokens": 48,
+    "temperature": 0.0,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _stream(client: openai.OpenAI) -> tuple[str, list[str]]:
+    """The streamed text and every finish reason the stream reported."""
+    chunks = list(client.chat.completions.create(stream=True, **STREAMED))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    return "".join(c.delta.content or "" for c in choices), [
+        c.finish_reason for c in choices if c.finish_reason
+    ]
+
+
+def _hostile(client: openai.OpenAI, kwargs: dict[str, Any], stream: bool) -> str:
+    """How the request ended: its finish reason, or its error's code (raised in-band for a
+    stream, as an HTTP status otherwise)."""
+    body = {**STREAMED, "max_tokens": 8, "temperature": 1.0, **kwargs}
+    body["extra_body"] = {"ignore_eos": True, **kwargs.get("extra_body", {})}
+    try:
+        if not stream:
+            return client.chat.completions.create(**body).choices[0].finish_reason
+        chunks = list(client.chat.completions.create(stream=True, **body))
+        return [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    except openai.APIError as err:
+        assert isinstance(err, openai.BadRequestError) or stream, err
+        return err.code or ""
+
+
+def test_a_failing_request_never_fails_another_keys_stream(plane) -> None:
+    engine = plane[0]
+    a, b = _client(engine.url, KEY_A), _client(engine.url, KEY_B)
+    reference = _stream(a)
+    assert reference[1] == ["length"] and reference[0]
+    with ThreadPoolExecutor(1 + 2 * len(HOSTILE)) as pool:
+        with held(engine):  # all of them admitted before any step: they share every step
+            first = pool.submit(_stream, a)
+            ends = {
+                (name, stream): pool.submit(_hostile, b, kwargs, stream)
+                for name, kwargs in HOSTILE.items()
+                for stream in (False, True)
+            }
+            schema = "a schema that is only a reference to itself"
+            assert ends[(schema, False)].result() == ends[(schema, True)].result()
+            wait_until(
+                lambda: engine.health()["pending_requests"] == 1 + 2 * (len(HOSTILE) - 1),
+                what="every request admitted",
+            )
+        assert first.result() == reference
+        for (name, stream), end in ends.items():
+            assert end.result() == EXPECTED[name], (name, stream)
+    engine.wait_idle()
+    assert _stream(a) == reference  # and the server keeps serving

@@ -110,6 +110,19 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def ended_with_error(out: RequestOutput) -> APIError:
+    """The API error of a request the engine ended with ``out.error`` (only that request: the
+    engine went on with every other). No token allowed by the request's grammar and
+    constraints is the client's to fix (400), a failed KV pull the prefill engine's (502),
+    anything else (logits that are not finite) the engine's own (500)."""
+    message, code = out.error or "", out.error_code
+    if code in ("invalid_schema", "no_token_allowed"):
+        return APIError(400, message, code=code)
+    if code == "kv_transfer_error":
+        return APIError(502, message, code=code, type="server_error")
+    return APIError(500, message, code=code or "internal_error")
+
+
 @dataclass
 class Job:
     """One API request, fanned out to one engine request per prompt."""
@@ -149,8 +162,8 @@ class Job:
             for rid, item in items:
                 if isinstance(item, BaseException):
                     raise api_error(item)
-                if item.error is not None:  # ended without finishing, e.g. a failed KV pull
-                    raise APIError(502, item.error, code="kv_transfer_error", type="server_error")
+                if item.error is not None:  # ended without finishing: a failed pull or draw
+                    raise ended_with_error(item)
                 self._reasons.update(
                     ((rid, c.index), c.finish_reason) for c in item.outputs if c.finished
                 )

@@ -24,6 +24,7 @@ class Compiling:
     def fail(self) -> None:
         """The grammar did not compile: the group ends, aborted, with the compiler's error."""
         self.group[0].error = str(self.grammar.exception())
+        self.group[0].error_code = "invalid_schema"
         for req in self.group:
             req.status = RequestStatus.FINISHED_ABORTED
             req.finished_time = time.monotonic()

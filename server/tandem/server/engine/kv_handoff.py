@@ -159,6 +159,7 @@ class KVHandoff:
         req.error = (
             f"KV transfer from prefill engine {req.remote_prefill.engine_id} failed: {error}"
         )
+        req.error_code = "kv_transfer_error"
         req.status = RequestStatus.FINISHED_ABORTED
         req.finished_time = time.monotonic()
         return req

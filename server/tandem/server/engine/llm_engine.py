@@ -24,7 +24,7 @@ from .output_processor import group_output
 from .outputs import RequestOutput
 from .pooling import PoolingParams, fold_hidden_rows
 from .request import Request, RequestStatus, TokenLogprob
-from .sampler import sample
+from .sampler import RowError, SamplerOutput, sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
@@ -163,14 +163,30 @@ class LLMEngine:
             return False
         self._compiling.drop(group)
         for req in group:
-            if req.status.finished:
-                continue
-            if self.handoff.abort(req):
-                continue
-            if req.session_id is not None:
-                self.sessions.detach(req.session_id, req, keep_blocks=False)
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if not req.status.finished:
+                self._stop(req, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _stop(self, req: Request, status: RequestStatus) -> None:
+        """End an unfinished request wherever it is (a pull, a session, the queue, the running
+        set) and free its blocks now (a pull still writing frees them when it stops)."""
+        if self.handoff.abort(req):
+            return
+        if req.session_id is not None:
+            self.sessions.detach(req.session_id, req, keep_blocks=False)
+        self.scheduler.finish(req, status)
+
+    def _fail(self, req: Request, error: RowError) -> None:
+        """``req`` could not go on (no token could be drawn for it): its group, which answers
+        one API request, ends with ``error`` and frees its blocks; the rest of the batch is
+        untouched, so one request's parameters or numerics never fail another's."""
+        group = self._groups[req.group_id]
+        group[0].error, group[0].error_code = error.message, error.code
+        now = time.monotonic()
+        for r in group:
+            if not r.status.finished:
+                r.finished_time = now
+                self._stop(r, RequestStatus.FINISHED_ERROR)
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
         """A non-streamed group's output as it stands (tokens and text so far), which an
@@ -201,13 +217,24 @@ class LLMEngine:
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
         if sampling:
-            self.totals.generated_tokens += len(sampling)
-            out = sample(logits, sampling)
-            for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
-                self._append(req, token, lp)
-                if req.stream or req.status.finished:
-                    report[req.group_id] = None
+            self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
+
+    def _take_samples(
+        self, sampling: list[Request], out: SamplerOutput, report: dict[str, None]
+    ) -> None:
+        """Append each row's token, or fail the request whose row had none; note the groups
+        to report."""
+        for req, token, lp, error in zip(sampling, out.token_ids, out.logprobs, out.errors):
+            if req.status.finished:  # its group failed on an earlier row of this step
+                continue
+            if error is None:
+                self.totals.generated_tokens += 1
+                self._append(req, token, lp)
+            else:
+                self._fail(req, error)
+            if req.stream or req.status.finished:
+                report[req.group_id] = None
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
         """Pooled requests whose prompt is now computed finish with their vector."""

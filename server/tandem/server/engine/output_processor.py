@@ -28,6 +28,7 @@ def group_output(group_id: str, group: list[Request], tokenizer: Tokenizer) -> R
         metrics=_timings(group),
         kv_transfer_params=group[0].kv_transfer_params,
         error=group[0].error,
+        error_code=group[0].error_code,
         embedding=(group[0].pooled.tolist() if group[0].pooling is not None and finished else None),
     )
 

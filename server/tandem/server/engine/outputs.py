@@ -53,6 +53,7 @@ class RequestOutput:
         None  # a prefill engine's handle for the decode side
     )
     error: str | None = None  # why a request ended without finishing (a failed KV pull, say)
+    error_code: str | None = None  # the error's kind (sampler.py, kv_handoff.py, compiling.py)
     embedding: list[float] | None = None  # a finished pooled request's vector (pooling.py)
 
     def merge(self, later: RequestOutput) -> RequestOutput:

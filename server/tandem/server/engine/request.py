@@ -23,14 +23,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed (``Request.error`` says why)
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass
@@ -80,7 +77,8 @@ class Request:
     remote_prefill: RemotePrefill | None = None
     pull_in_flight: bool = False
     kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
+    error: str | None = None  # why it ended without finishing (a failed pull, a failed draw)
+    error_code: str | None = None  # the error's kind, for the API's status (api/generation.py)
     arrival_time: float = 0.0  # time.monotonic() at add_request
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -6,6 +6,10 @@ temperature, top-k, top-p, min-p and a draw. Each request draws with its own
 Logprobs come from the raw model distribution (before any processing), as vLLM reports them,
 except that a sequence with a grammar is masked first: its logprobs are those of the masked
 distribution (tokens the grammar forbids have -inf), renormalised over what it allows.
+
+A row with nothing to draw from (a NaN or an infinity in its processed logits, or every token
+masked) gets no token but a ``RowError``: one request's failure must not become an
+out-of-range token that fails the whole next step (the engine ends that request alone).
 """
 
 from __future__ import annotations
@@ -17,11 +21,29 @@ import torch
 from .request import Request, TokenLogprob
 from .structured import apply_grammar_masks
 
+# A repetition penalty or a temperature acts within [1e-5, 1e5]: past that a factor changes
+# nothing that matters (every seen or every token is already flattened to ~0 or pushed far
+# down) while float32 overflows (1e-300 made every logit inf; 1e300 is inf itself, and
+# -inf / inf or 0 * inf is NaN). Logits (|x| <= ~1e3 with a logit bias) stay finite after
+# both factors at their floor. A temperature below the floor is greedy (SamplingParams.greedy).
+MIN_FACTOR, MAX_FACTOR = 1e-5, 1e5
+NO_TOKEN_ALLOWED = "no_token_allowed"
+LOGITS_NOT_FINITE = "logits_not_finite"
+
+
+@dataclass(frozen=True)
+class RowError:
+    """Why no token could be drawn for a row; ``code`` is the API's error code."""
+
+    code: str
+    message: str
+
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int | None]  # None where ``errors`` has the row's error
     logprobs: list[TokenLogprob | None]
+    errors: list[RowError | None]
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -29,22 +51,32 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     apply_grammar_masks(logits, [r.grammar for r in requests])
     raw_logprobs = _raw_logprobs(logits, requests)
     processed = _process(logits, requests)
-    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-    if len(greedy) == len(requests) and all(lp is None for lp in raw_logprobs):
-        # All greedy, no logprobs (the common batch): one argmax, no row gather or copy.
-        return SamplerOutput(processed.argmax(dim=-1).tolist(), raw_logprobs)
-    tokens = torch.empty(len(requests), dtype=torch.int64)
-    if greedy:
-        tokens[greedy] = processed[greedy].argmax(dim=-1).cpu()
+    best, best_ids = processed.max(dim=-1)
+    # One sync for the batch; -1 marks a row whose maximum is not finite (max propagates NaN).
+    tokens = torch.where(torch.isfinite(best), best_ids, -1).tolist()
+    errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(tokens)]
     for i, req in enumerate(requests):
-        if not req.params.greedy:
+        if errors[i] is None and not req.params.greedy:
             tokens[i] = _draw(processed[i], req)
-    token_list = tokens.tolist()
     logprobs = [
-        None if lp is None else _chosen(lp, token_list[i], requests[i].params.logprobs)
+        None if lp is None or errors[i] else _chosen(lp, tokens[i], requests[i].params.logprobs)
         for i, lp in enumerate(raw_logprobs)
     ]
-    return SamplerOutput(token_list, logprobs)
+    return SamplerOutput([None if e else t for t, e in zip(tokens, errors)], logprobs, errors)
+
+
+def _row_error(best: float) -> RowError:
+    if best == float("-inf"):
+        return RowError(
+            NO_TOKEN_ALLOWED,
+            "no token is allowed here: the output's grammar (with min_tokens) excludes every "
+            "token of the vocabulary",
+        )
+    return RowError(
+        LOGITS_NOT_FINITE,
+        "this request's logits are not finite (NaN or infinity) once its sampling parameters "
+        "are applied, so no token can be drawn",
+    )
 
 
 def _raw_logprobs(logits: torch.Tensor, requests: list[Request]) -> list[torch.Tensor | None]:
@@ -66,19 +98,25 @@ def _chosen(logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
 
 
 def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    needs = [
-        i
-        for i, r in enumerate(requests)
-        if r.params.has_penalties
-        or r.params.logit_bias
-        or len(r.output_token_ids) < r.params.min_tokens
-    ]
-    if not needs:
+    """The logits each row picks from: a copy when any row changes (the raw logits give the
+    logprobs), so an all-greedy batch without penalties costs nothing here."""
+    changes = [i for i, r in enumerate(requests) if _changes(r)]
+    if not changes:
         return logits
     logits = logits.clone()
-    for i in needs:
+    for i in changes:
         logits[i] = _process_row(logits[i], requests[i])
     return logits
+
+
+def _changes(req: Request) -> bool:
+    p = req.params
+    return (
+        not p.greedy
+        or p.has_penalties
+        or bool(p.logit_bias)
+        or len(req.output_token_ids) < p.min_tokens
+    )
 
 
 def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
@@ -95,7 +133,8 @@ def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
                 [t for t in req.prompt_token_ids if t < vocab], dtype=torch.int64, device=row.device
             )
             seen[prompt] = True
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            penalty = _clamp(p.repetition_penalty)
+            penalised = torch.where(row > 0, row / penalty, row * penalty)
             row = torch.where(seen, penalised, row)
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
     if p.logit_bias:
@@ -104,12 +143,18 @@ def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
     if len(req.output_token_ids) < p.min_tokens:
         banned = [t for t in (set(req.eos_token_ids) | set(p.stop_token_ids)) if 0 <= t < vocab]
         row[banned] = float("-inf")
+    if not p.greedy:  # scaled here, so the batch's one finiteness check covers the draw's row
+        row = row / _clamp(p.temperature)
     return row
 
 
+def _clamp(factor: float) -> float:
+    return min(max(factor, MIN_FACTOR), MAX_FACTOR)
+
+
 def _draw(row: torch.Tensor, req: Request) -> int:
+    """A token from ``row`` (already divided by the temperature, with a finite maximum)."""
     p = req.params
-    row = row.float() / p.temperature
     if p.top_k > 0 and p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

@@ -10,6 +10,9 @@ if TYPE_CHECKING:
     from .structured import GrammarSpec
 
 MAX_LOGPROBS = 20
+# A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): it is argmax's limit, and
+# dividing logits by it would overflow float32 (``1e-300`` turned every logit into inf).
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidParamError(ValueError):
@@ -115,7 +118,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -110,20 +110,41 @@ class GrammarCache:
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._get_compiler()
         try:
-            if spec.kind == "json":
-                return compiler.compile_builtin_json_grammar()
-            if spec.kind == "json_schema":
-                schema = json_safe_strings(json.loads(spec.source))
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.source)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_ebnf(json.loads(spec.source)))
-            return _compile_grammar(compiler, spec.source)
+            compiled = _compile_spec(compiler, spec)
         except Exception as exc:  # the library raises RuntimeError/ValueError with the reason
             raise GrammarError(
                 "structured_outputs", f"cannot compile the {spec.kind}: {exc}"
             ) from exc
+        if not _allows_a_first_token(compiled, self._vocab_size):
+            raise GrammarError(
+                "structured_outputs",
+                f"the {spec.kind} matches no output at all: it allows no first token "
+                "(a schema that is only a reference to itself, say)",
+            )
+        return compiled
+
+
+def _compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
+    if spec.kind == "json":
+        return compiler.compile_builtin_json_grammar()
+    if spec.kind == "json_schema":
+        schema = json_safe_strings(json.loads(spec.source))
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    if spec.kind == "choice":
+        return compiler.compile_grammar(choice_ebnf(json.loads(spec.source)))
+    return _compile_grammar(compiler, spec.source)
+
+
+def _allows_a_first_token(compiled: Any, vocab_size: int) -> bool:
+    """Whether any output can begin. ``{"$ref": "#"}`` compiles, yet its matcher rejects every
+    token: caught here it is the request's 400, not a failure at its first step."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _compile_grammar(compiler: Any, source: str) -> Any:

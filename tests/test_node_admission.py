@@ -14,7 +14,7 @@ import ipaddress
 import httpx
 import pytest
 
-from tandem.server.api.auth import Credentials
+from tandem.server.api.auth import Credentials, key_owner
 from tandem.server.disagg.trust import CHALLENGE_HEADER, PROOF_HEADER, node_proof
 from tandem.server.proxy.app import ProxySettings, build_app
 from tandem.server.proxy.node_address import NodeNetworks, parse_networks
@@ -57,7 +57,7 @@ def _proxy(engines: Engines, networks: NodeNetworks | None = None):
     )
     app = build_app(settings)
     client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
-    app.state.proxy.client = app.state.proxy.poller.client = client
+    app.state.proxy.client = app.state.proxy.poller.client = app.state.proxy.flow.client = client
     return app
 
 
@@ -165,3 +165,34 @@ def test_the_credential_goes_only_to_nodes_that_proved_they_hold_it() -> None:
     r = _call(app, "POST", "/nodes/terminate", json={"url": "http://127.0.0.1:8001"})
     assert r.json()["terminated"] is True
     assert engines.credentialed() == ["http://127.0.0.1:8001/terminate"]
+
+
+def test_the_proxy_names_its_callers_cache_partition_to_engines() -> None:
+    """Finding A behind the proxy: engines see only the internal credential, so the proxy
+    forwards whose request it is; a client's own X-Tandem-Tenant header is not believed."""
+    engines = Engines({"http://127.0.0.1:8001": "proof"})
+    settings = ProxySettings(
+        credentials=Credentials(
+            client_keys=frozenset({"sk-a", "sk-b"}), internal_key=INTERNAL, admin_key=ADMIN
+        ),
+        flow=FlowConfig(engine_api_key=INTERNAL),
+    )
+    app = build_app(settings)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+    app.state.proxy.client = app.state.proxy.poller.client = app.state.proxy.flow.client = client
+    assert _add(app, "127.0.0.1:8001").json()["healthy"] is True
+    tenants = []
+    for key in ("sk-a", "sk-b"):
+        body = {"model": "m", "prompt": "x", "max_tokens": 1}
+
+        async def go(key: str = key, body: dict = body) -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                headers = {"Authorization": f"Bearer {key}", "X-Tandem-Tenant": "forged"}
+                return await c.post("/v1/completions", json=body, headers=headers)
+
+        assert asyncio.run(go()).status_code == 200
+        sent = engines.seen[-1]
+        assert sent.url.path == "/v1/completions"
+        tenants.append(sent.headers["x-tandem-tenant"])
+    assert tenants == [key_owner(b"Bearer sk-a"), key_owner(b"Bearer sk-b")]

@@ -65,6 +65,7 @@ def test_engine_spec_becomes_the_engine_flags_tandem_serve_parses() -> None:
         "dtype": "bfloat16",
         "attentionBackend": "flashinfer",
         "enablePrefixCaching": False,
+        "prefixCacheScope": "global",
         "enforceEager": True,
         "seed": 7,
         "kvLeaseSeconds": 12.5,
@@ -88,6 +89,7 @@ def test_engine_spec_becomes_the_engine_flags_tandem_serve_parses() -> None:
     )
     assert (args.enable_prefix_caching, args.enforce_eager, args.seed) == (False, True, 7)
     assert (args.kv_lease_seconds, args.kv_pull_fallback) == (12.5, "recompute")
+    assert args.prefix_cache_scope == "global"
     assert args.max_waiting_requests == 17 and args.shutdown_timeout == 45.0
     # the EngineConfig the server would build from these flags validates
     from tandem.server.engine.engine_args import engine_config_from_args

@@ -181,6 +181,11 @@ class EngineSpec(_Model):
     enable_prefix_caching: bool | None = Field(
         None, description="Reuse KV blocks of shared prefixes"
     )
+    prefix_cache_scope: Literal["key", "global"] | None = Field(
+        None,
+        description="Whose cached prefixes a request may reuse: its own API key's (key, the "
+        "default) or every key's (global)",
+    )
     attention_backend: Literal["auto", "torch", "flashinfer"] | None = Field(
         None, description="Attention kernels"
     )

@@ -225,6 +225,8 @@ class AuthMiddleware:
         state["principal"] = who
         if who == "client":
             state["owner"] = key_owner(given)
+        if who in ("client", "admin"):
+            state["tenant"] = key_owner(given)  # its own prefix-cache partition
         path = scope["path"]
         if who == "open" or path in OPEN_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)

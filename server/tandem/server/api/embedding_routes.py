@@ -19,6 +19,7 @@ from tandem.server.engine import PoolingParams, RequestOutput, SamplingParams
 from .body import ParsedJSONRoute
 from .errors import APIError
 from .generation import new_id, off_loop, submit, tokenize_text
+from .mapping import request_tenant
 from .protocol import (
     ERROR_RESPONSES,
     EmbeddingRequest,
@@ -59,7 +60,15 @@ async def _pool(
     for start in range(0, len(prompts), WAVE):
         wave_id = request_id if len(prompts) <= WAVE else f"{request_id}-{start}"
         wave = prompts[start : start + WAVE]
-        job = await submit(state, wave_id, wave, SamplingParams(), stream=False, pooling=params)
+        job = await submit(
+            state,
+            wave_id,
+            wave,
+            SamplingParams(),
+            stream=False,
+            pooling=params,
+            tenant=request_tenant(request),
+        )
         outs += await job.collect(request)
         if any(out.embedding is None for out in outs):  # aborted (/abort_request, weights)
             raise APIError(

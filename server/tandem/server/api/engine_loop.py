@@ -98,6 +98,9 @@ class _Add:
     future: concurrent.futures.Future
     kv_transfer: dict[str, Any] | None = None
     pooling: PoolingParams | None = None
+    # The prefix-cache partition: the caller's key (mapping.request_tenant) and cache_salt.
+    tenant: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -205,8 +208,11 @@ class AsyncEngine:
         arrival: float | None = None,
         kv_transfer: dict[str, Any] | None = None,
         pooling: PoolingParams | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue a request; outputs arrive on ``sink`` as ``(request_id, RequestOutput)``.
+        ``tenant`` and ``cache_salt`` name its prefix-cache partition (``InputProcessor``).
 
         Returns the prompt token ids once the engine accepted it; raises what
         ``LLMEngine.add_request`` raises, or ``QueueFullError`` / ``EngineNotReadyError``.
@@ -227,6 +233,8 @@ class AsyncEngine:
                     fut,
                     kv_transfer,
                     pooling,
+                    tenant,
+                    cache_salt,
                 )
             )
             return await asyncio.wrap_future(fut)
@@ -367,38 +375,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add) and self._update is not None:
             self._deferred.append(cmd)
         elif isinstance(cmd, _Add):
-            if not cmd.future.set_running_or_notify_cancel():
-                return
-            try:
-                if (
-                    self._max_waiting is not None
-                    and len(engine.scheduler.waiting) >= self._max_waiting
-                ):
-                    raise QueueFullError(
-                        f"the waiting queue is full ({self._max_waiting} requests); retry later"
-                    )
-                kwargs: dict[str, Any] = {"stream": cmd.stream}
-                if cmd.session_id is not None:
-                    kwargs["session_id"] = cmd.session_id
-                if cmd.kv_transfer:
-                    kwargs["kv_transfer"] = cmd.kv_transfer
-                if cmd.pooling is not None:
-                    kwargs["pooling"] = cmd.pooling
-                ids = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                cmd.future.set_exception(exc)
-                return
-            self._tracked[cmd.request_id] = _Tracked(
-                cmd.sink,
-                cmd.arrival,
-                prompt_ids=ids,
-                n=cmd.params.n,
-                stream=cmd.stream,
-                session_id=cmd.session_id,
-            )
-            if self._metrics is not None:
-                self._metrics.on_added(len(ids))
-            cmd.future.set_result(ids)
+            self._add(engine, cmd)
         elif isinstance(cmd, _Abort):
             tracked = self._tracked.pop(cmd.request_id, None)
             if tracked is not None:
@@ -421,6 +398,40 @@ class AsyncEngine:
             self._update = cmd
             if not cmd.drain:
                 self._abort_tracked(engine, list(self._tracked))
+
+    def _add(self, engine: LLMEngine, cmd: _Add) -> None:
+        """One add, on the engine thread, inside its prefix-cache partition, so it hits only
+        its own tenant's blocks."""
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            if self._max_waiting is not None and len(engine.scheduler.waiting) >= self._max_waiting:
+                raise QueueFullError(
+                    f"the waiting queue is full ({self._max_waiting} requests); retry later"
+                )
+            kwargs: dict[str, Any] = {"stream": cmd.stream}
+            if cmd.session_id is not None:
+                kwargs["session_id"] = cmd.session_id
+            if cmd.kv_transfer:
+                kwargs["kv_transfer"] = cmd.kv_transfer
+            if cmd.pooling is not None:
+                kwargs["pooling"] = cmd.pooling
+            with engine.inputs.cache_partition(cmd.tenant, cmd.cache_salt):
+                ids = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            cmd.future.set_exception(exc)
+            return
+        self._tracked[cmd.request_id] = _Tracked(
+            cmd.sink,
+            cmd.arrival,
+            prompt_ids=ids,
+            n=cmd.params.n,
+            stream=cmd.stream,
+            session_id=cmd.session_id,
+        )
+        if self._metrics is not None:
+            self._metrics.on_added(len(ids))
+        cmd.future.set_result(ids)
 
     def _count_step(self) -> None:
         if self._steps_left is not None:

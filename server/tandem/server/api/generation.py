@@ -234,9 +234,13 @@ async def submit(
     session_id: str | None = None,
     kv_transfer: dict | None = None,
     pooling: PoolingParams | None = None,
+    tenant: str | None = None,
+    cache_salt: str | None = None,
 ) -> Job:
     """Add one engine request per prompt; if any is refused, abort the ones already added.
-    With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``)."""
+    With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``).
+    ``tenant`` (``mapping.request_tenant``) and ``cache_salt`` name the prefix-cache partition
+    its blocks are shared in, so one key never hits (or learns of) another's prompts."""
     state.check_admitting()
     if kv_transfer and len(prompts) != 1:
         raise APIError(
@@ -263,6 +267,8 @@ async def submit(
                 arrival=arrival,
                 kv_transfer=kv_transfer,
                 pooling=pooling,
+                tenant=tenant,
+                cache_salt=cache_salt,
             )
             job.request_ids.append(rid)
     except BaseException as exc:

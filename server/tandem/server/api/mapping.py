@@ -65,6 +65,21 @@ def request_owner(request: Request) -> str | None:
     return getattr(request.state, "owner", None)
 
 
+TENANT_HEADER = "x-tandem-tenant"
+_MAX_TENANT_LEN = 64
+
+
+def request_tenant(request: Request) -> str | None:
+    """Whose prefix-cache partition a request runs in: its client (or admin) key's owner
+    name (set by the auth middleware). The proxy forwards its caller's in ``X-Tandem-Tenant``
+    with the internal credential, so the header counts only from an internal caller (or on an
+    open server, where there is nobody to tell apart). Keyless callers share one (``None``)."""
+    principal = getattr(request.state, "principal", "open")
+    if principal in ("internal", "open"):
+        return request.headers.get(TENANT_HEADER, "")[:_MAX_TENANT_LEN] or None
+    return getattr(request.state, "tenant", None)
+
+
 def sampling_params(
     req: SamplingFields,
     *,

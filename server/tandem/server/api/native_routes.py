@@ -93,6 +93,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         params,
         stream=bool(body.stream),
         session_id=mapping.session_key(body.session_id, mapping.request_owner(request)),
+        tenant=mapping.request_tenant(request),
     )
     want = bool(body.return_logprob)
     if body.stream:
@@ -284,7 +285,9 @@ async def _ollama_run(
 ) -> Any:
     rid = new_id(prefix, request)
     started = time.monotonic_ns()
-    job = await submit(state, rid, [prompt], params, stream=stream)
+    job = await submit(
+        state, rid, [prompt], params, stream=stream, tenant=mapping.request_tenant(request)
+    )
     if stream:
         return StreamingResponse(
             _ollama_stream(job, rid, model, started, wrap), media_type="application/x-ndjson"

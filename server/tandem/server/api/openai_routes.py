@@ -165,6 +165,8 @@ async def _submit(
         stream=bool(body.stream),
         session_id=session,
         kv_transfer=body.kv_transfer_params,
+        tenant=mapping.request_tenant(request),
+        cache_salt=body.cache_salt,
     )
     return job, int(time.time())
 

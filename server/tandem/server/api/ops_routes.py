@@ -9,6 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from tandem.server.disagg.trust import CHALLENGE_HEADER, MAX_NONCE_LEN, PROOF_HEADER, node_proof
+
 from .errors import APIError
 from .generation import api_error
 from .metrics import CONTENT_TYPE
@@ -121,9 +123,17 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
 @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def health(request: Request) -> JSONResponse:
     """200 with ``status: ok`` when the engine can serve; 503 with the same body while it loads,
-    sleeps or drains, so a readiness probe and the proxy route around it."""
-    status, body = health_body(get_state(request))
-    return JSONResponse(body, status_code=status)
+    sleeps or drains, so a readiness probe and the proxy route around it. A proxy's challenge
+    is answered with proof of the internal credential (``trust.node_proof``): the proxy sends
+    the credential only to engines that hold it."""
+    state = get_state(request)
+    status, body = health_body(state)
+    headers = {}
+    nonce = request.headers.get(CHALLENGE_HEADER)
+    secret = state.settings.internal_api_key
+    if secret and nonce and len(nonce) <= MAX_NONCE_LEN:
+        headers[PROOF_HEADER] = node_proof(secret, nonce)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @router.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)

@@ -121,6 +121,11 @@ class SamplingFields(APIModel):
         description="Keep this conversation's KV cache between turns; empty, null or -1 = "
         "stateless. Scoped to the API key that created it (docs/security.md)",
     )
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None,
+        description="vLLM's: partitions the prefix cache further within the API key; only "
+        "requests with the same salt (and key) share cached blocks (docs/security.md)",
+    )
     return_token_ids: bool | None = False
     user: str | None = None
     response_format: ResponseFormat | None = None

@@ -7,6 +7,9 @@ Two HMAC-SHA256 keys are derived from the internal secret, one per use:
   decode engine pulls only for a handle whose signature checks against its own prompt, so
   nobody without the secret can name an address to pull from, and blocks computed for
   another prompt can never enter its prefix cache.
+- the **node** key answers the proxy's challenge: before the proxy sends a node anything
+  carrying the credential, the node must return an HMAC of a fresh nonce under it
+  (``node_proof``), so an address an admin registers learns nothing by being polled.
 - the **transport** key authenticates each transport request (its kind, body and a fresh
   nonce) and the answer's header (bound to that nonce), so a prefill engine serves only
   peers that hold the secret and a decode engine reads only from one.
@@ -22,6 +25,9 @@ import struct
 from typing import Any
 
 SIGNATURE_FIELD = "remote_signature"
+CHALLENGE_HEADER = "x-tandem-challenge"  # the proxy's nonce, on each /health poll
+PROOF_HEADER = "x-tandem-proof"  # the engine's node_proof of it
+MAX_NONCE_LEN = 128
 
 
 def derive_key(secret: str, purpose: str) -> bytes:
@@ -87,3 +93,13 @@ def request_authentic(key: bytes, kind: bytes, body: dict[str, Any]) -> bool:
         and isinstance(body.get("nonce"), str)
         and hmac.compare_digest(given, request_mac(key, kind, body))
     )
+
+
+def node_proof(secret: str, nonce: str) -> str:
+    """An engine's answer to the proxy's challenge ``nonce``: proof it holds ``secret``."""
+    return hmac.new(derive_key(secret, "node-proof"), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def proof_valid(secret: str, nonce: str, given: str | None) -> bool:
+    """Whether a node's answer proves it holds ``secret`` (the proxy's side)."""
+    return isinstance(given, str) and hmac.compare_digest(given, node_proof(secret, nonce))

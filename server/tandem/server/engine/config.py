@@ -12,6 +12,7 @@ from typing import Literal, get_args
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
+PrefixCacheScope = Literal["key", "global"]
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Whose prefix-cache blocks a request may hit: only its own client key's (and cache_salt's),
+    # so cached_tokens never reveals another tenant's prompt; "global" shares across keys.
+    prefix_cache_scope: PrefixCacheScope = "key"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -77,6 +81,11 @@ class EngineConfig:
         _check(
             self.pooling in get_args(PoolingKind),
             f"pooling must be last, mean or cls, got {self.pooling!r}",
+        )
+
+        _check(
+            self.prefix_cache_scope in get_args(PrefixCacheScope),
+            f"prefix_cache_scope must be key or global, got {self.prefix_cache_scope!r}",
         )
 
     def replace(self, **changes: object) -> EngineConfig:

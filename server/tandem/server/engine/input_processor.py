@@ -8,10 +8,12 @@ The mirror of ``output_processor``: the engine's bookkeeping sees only ``Request
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -20,6 +22,7 @@ from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .limits import check_pooled, check_request
 from .models.config import ModelConfig, eos_token_ids
 from .pooling import PoolingParams, check_dimensions
+from .prefix_cache import ROOT_HASH, salted_root
 from .request import Request
 from .sampling_params import InvalidParamError, SamplingParams
 from .tokenizer import load_tokenizer
@@ -43,6 +46,23 @@ class InputProcessor:
         self.new_generator = new_generator
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
+        self.prefix_cache_scope = config.prefix_cache_scope
+        self._cache_root = ROOT_HASH
+
+    @contextlib.contextmanager
+    def cache_partition(self, tenant: str | None, cache_salt: str | None) -> Iterator[None]:
+        """Requests made inside hit only prefix-cache blocks of the same partition: the
+        client key (``tenant``, unless ``prefix_cache_scope`` is ``global``) and the request's
+        ``cache_salt``, so ``cached_tokens`` never reveals another tenant's prompt. Requests
+        with neither share one partition. The server's loop wraps each add in it."""
+        if self.prefix_cache_scope == "global":
+            tenant = None
+        salt = None if tenant is None and cache_salt is None else json.dumps([tenant, cache_salt])
+        self._cache_root = salted_root(salt)
+        try:
+            yield
+        finally:
+            self._cache_root = ROOT_HASH
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
@@ -86,6 +106,7 @@ class InputProcessor:
             group_id=request_id,
             arrival_time=time.monotonic(),
             pooling=pooling.resolve(self.default_pooling),
+            cache_root=self._cache_root,
         )
 
     def _request(
@@ -110,6 +131,7 @@ class InputProcessor:
             stream=stream,
             arrival_time=time.monotonic(),
             generator=self.new_generator(seed),
+            cache_root=self._cache_root,
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                 if stream or params.stop

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
-from .prefix_cache import ROOT_HASH, PrefixCache, chain_hashes, hash_block
+from .prefix_cache import PrefixCache, chain_hashes, hash_block
 from .request import Request
 
 
@@ -41,7 +41,7 @@ class KVCacheManager:
             return CachedPrefix([], [])
         tokens = req.all_token_ids
         bs = self.block_size
-        hashes = chain_hashes(tokens[: ((len(tokens) - 1) // bs) * bs], bs)
+        hashes = chain_hashes(tokens[: ((len(tokens) - 1) // bs) * bs], bs, root=req.cache_root)
         hits: list[int] = []
         for i, block_hash in enumerate(hashes):
             block_id = cache.lookup(block_hash, tokens[i * bs : (i + 1) * bs])
@@ -90,7 +90,7 @@ class KVCacheManager:
         if cache is None:
             return
         bs = self.block_size
-        parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+        parent = req.block_hashes[-1] if req.block_hashes else req.cache_root
         for b in range(len(req.block_hashes), num_tokens // bs):
             tokens = req.token_slice(b * bs, (b + 1) * bs)
             parent = hash_block(parent, tokens)

@@ -4,13 +4,27 @@ A block's hash covers its parent's hash and its own token ids, so a hit on block
 whole prefix up to i matches. Hashes of int tuples are stable across processes (no hash
 randomisation for ints), which the P/D path relies on. Collisions are caught by comparing the
 stored token ids on every hit.
+
+A chain starts from a root: ``ROOT_HASH`` for the shared tenant, or ``salted_root(salt)`` for
+a tenant's own (``docs/security.md``): the salt enters the first block's hash, so every block of
+the chain differs and one tenant's prompts never hit (or reveal) another's blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 ROOT_HASH = 0x7A4D_E000
+
+
+def salted_root(salt: str | None) -> int:
+    """The chain's root for a cache partition (``None``: the shared one). A digest, not
+    ``hash(str)``, so every process (a prefill and a decode engine) derives the same root."""
+    if salt is None:
+        return ROOT_HASH
+    digest = hashlib.sha256(b"tandem/prefix-cache\0" + salt.encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -18,11 +32,15 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 def chain_hashes(
-    token_ids: Sequence[int], block_size: int, start: list[int] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    start: list[int] | None = None,
+    root: int = ROOT_HASH,
 ) -> list[int]:
-    """Hashes of every full block of ``token_ids``, extending the chain ``start`` if given."""
+    """Hashes of every full block of ``token_ids``, extending the chain ``start`` if given,
+    else starting from ``root`` (the request's cache partition)."""
     hashes = list(start or [])
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root
     for b in range(len(hashes), len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
         hashes.append(parent)

@@ -10,6 +10,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_transfer import RemotePrefill
+from .prefix_cache import ROOT_HASH
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class Request:
     grammar: SequenceGrammar | None = None  # the output's matcher (structured outputs)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # The prefix cache partition (tenant and cache_salt) its block hashes start from.
+    cache_root: int = ROOT_HASH
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

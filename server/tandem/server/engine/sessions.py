@@ -74,7 +74,9 @@ class SessionStore:
             self.kv.prefix_cache.evict(s.block_ids[keep - 1])  # its tail is about to change
         self.kv.pool.free(s.block_ids[keep:])
         req.block_ids = s.block_ids[:keep]
-        req.block_hashes = chain_hashes(req.prompt_token_ids[: (common // bs) * bs], bs)
+        req.block_hashes = chain_hashes(
+            req.prompt_token_ids[: (common // bs) * bs], bs, root=req.cache_root
+        )
         req.num_computed_tokens = common
         req.num_cached_tokens = common
         s.token_ids, s.block_ids = [], []

@@ -48,11 +48,13 @@ from tandem.server.api.protocol import (
     UpdateWeightsRequest,
 )
 
+from .node_address import NodeNetworks
 from .pd_flow import PATHS, FlowConfig, PDFlow
 from .registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
     ROLE_IDS,
+    UNREACHABLE,
     HealthPoller,
     Registry,
     normalize_url,
@@ -83,6 +85,8 @@ class ProxySettings:
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     # Started with the app, stopped with it: e.g. Kubernetes discovery. Gets the registry.
     discovery: Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None = None
+    # Where POST /nodes/add may point (--allow-node-networks); link-local never.
+    node_networks: NodeNetworks = field(default_factory=NodeNetworks)
 
 
 @dataclass
@@ -115,9 +119,8 @@ def build_app(settings: ProxySettings) -> FastAPI:
         timeout=httpx.Timeout(settings.flow.request_timeout, connect=settings.flow.connect_timeout),
     )
     flow = PDFlow(registry, client, settings.flow)
-    engine_headers = flow.headers
     poller = HealthPoller(
-        registry, client, interval=settings.health_interval, headers=engine_headers
+        registry, client, interval=settings.health_interval, secret=settings.flow.engine_api_key
     )
     state = ProxyState(
         settings=settings, registry=registry, flow=flow, client=client, poller=poller
@@ -424,6 +427,10 @@ def _add_node_routes(app: FastAPI) -> None:
         state = get_state(request)
         body = _json_body(request)
         url, role, models = node_fields(body)
+        try:
+            await state.settings.node_networks.check_url(url)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value", param="url") from exc
         layout = (body.get("status") or {}).get("kv_layout")  # Tandem's addition, optional
         node = state.registry.add(
             url, role, models, source="registered", kv_layout=str(layout) if layout else None
@@ -449,8 +456,9 @@ def _add_node_routes(app: FastAPI) -> None:
         return {n.url: n.status() for n in get_state(request).registry.nodes()}
 
     async def terminate(state: ProxyState, url: str) -> dict[str, Any]:
-        """Only a registered engine, and only its status is reported: the proxy fetches no
-        address a caller names and echoes nothing it read (no SSRF)."""
+        """Only a registered engine that proved it holds the credential, and only its status
+        is reported: the proxy fetches no address a caller names and echoes nothing it read
+        (no SSRF, no port scan)."""
         node = state.registry.remove(url)
         if node is None:
             raise APIError(
@@ -459,11 +467,13 @@ def _add_node_routes(app: FastAPI) -> None:
                 code="node_not_found",
                 param="url",
             )
+        if not node.verified:  # it never proved it holds the credential: it gets none
+            return {"url": url, "was_registered": True, "terminated": False, "detail": UNREACHABLE}
         try:
             r = await state.client.get(url + "/terminate", headers=state.flow.headers, timeout=10.0)
             ok, detail = r.status_code < 400, f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            ok, detail = False, type(exc).__name__
+        except httpx.HTTPError:
+            ok, detail = False, UNREACHABLE
         return {"url": url, "was_registered": True, "terminated": ok, "detail": detail}
 
     @app.post("/nodes/terminate")

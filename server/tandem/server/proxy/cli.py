@@ -9,6 +9,7 @@ import os
 from tandem.server.api.auth import add_credential_arguments, credentials_from_args
 from tandem.server.api.edge import add_edge_arguments, edge_from_args
 
+from .node_address import DEFAULT_NODE_NETWORKS, NodeNetworks, parse_networks
 from .pd_flow import FlowConfig
 from .routing import POLICIES
 
@@ -36,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="URL[=ROLE]",
         help="a static engine (repeatable); ROLE is both (default), prefill or decode",
+    )
+    parser.add_argument(
+        "--allow-node-networks",
+        default=",".join(DEFAULT_NODE_NETWORKS),
+        metavar="CIDR,...",
+        help="networks POST /nodes/add may name (default: loopback and private ranges); "
+        "link-local and metadata addresses are refused regardless",
     )
     parser.add_argument(
         "--discovery",
@@ -111,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         nodes = [parse_node_flag(v) for v in args.node]
+        networks = NodeNetworks(parse_networks(args.allow_node_networks))
     except ValueError as exc:
-        logging.getLogger("tandem.proxy").error("bad --node: %s", exc)
+        logging.getLogger("tandem.proxy").error("bad --node or --allow-node-networks: %s", exc)
         return 2
     credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
     flow = FlowConfig(
@@ -139,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         discovery=discovery,
         edge=edge_from_args(args),
         default_max_tokens=args.default_max_tokens or None,
+        node_networks=networks,
     )
     app = build_app(settings)
     logging.getLogger("tandem.proxy").info(

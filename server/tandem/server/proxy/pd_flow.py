@@ -45,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.server.api.edge import request_id_header
 from tandem.server.api.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.api.mapping import TENANT_HEADER, request_tenant
 from tandem.server.api.sse import SSE_HEADERS, error_event, ndjson_line
 
 from . import routing
@@ -75,6 +76,14 @@ DISCONNECT_POLL_S = 0.2
 # Statuses after which the same request may succeed on another engine (nothing ran there).
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 RETRY_AFTER_SECONDS = 15  # a 503 for want of engines: about one autoscaler poll
+
+
+def tenant_header(request: Request) -> dict[str, str]:
+    """The caller's prefix-cache partition for the engine (``mapping.request_tenant``): the
+    engine sees only the proxy's internal credential, so the proxy names whose request it is,
+    and every engine of a P/D pair salts its cache the same way."""
+    tenant = request_tenant(request)
+    return {TENANT_HEADER: tenant} if tenant else {}
 
 
 @dataclass
@@ -352,7 +361,7 @@ class PDFlow:
             "POST",
             node.url + (path or PATHS[kind]),
             json=body,
-            headers={**self.headers, **request_id_header(request)},
+            headers={**self.headers, **request_id_header(request), **tenant_header(request)},
             timeout=self._timeout(),
         )
         node.inflight += 1

@@ -23,17 +23,24 @@ from typing import Any
 import httpx
 
 from tandem.server.api.registration import ROLE_IDS, parse_role
+from tandem.server.disagg.trust import CHALLENGE_HEADER, PROOF_HEADER, new_nonce, proof_valid
 
 log = logging.getLogger("tandem.proxy")
 
 # Which roles serve which step: decode engines also answer plain requests (aggregated).
 DECODE_ROLES = frozenset({"decode", "both"})
 PREFILL_ROLES = frozenset({"prefill"})
+# What /nodes/status says of any node that did not answer as an engine holding the
+# credential: refused, timed out, another server, no proof alike (no port-scan oracle).
+UNREACHABLE = "unreachable"
 
 
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (the registry's key).
-    Anything but an http(s) URL with a host (and a valid port, if any) is a ValueError."""
+
+    A node is a scheme, a host and a port, nothing else: the proxy appends its own paths and
+    sends the internal credential there, so a path, query, fragment or ``user@`` (which would
+    aim those requests elsewhere) is a ValueError, as is anything but http(s) with a host."""
     url = url.strip()
     if not url:
         raise ValueError("empty node url")
@@ -44,6 +51,10 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"node url {url!r}: the scheme must be http or https")
     if not parts.hostname or any(c.isspace() for c in url):
         raise ValueError(f"node url {url!r} has no valid host")
+    if parts.path not in ("", "/") or "?" in url or "#" in url or "@" in parts.netloc:
+        raise ValueError(
+            f"node url {url!r}: only a scheme, host and port (no path, query, fragment or user)"
+        )
     try:
         parts.port  # noqa: B018 - raises on a port that is not a number in 0..65535
     except ValueError as exc:
@@ -64,6 +75,7 @@ class Node:
     a prefill engine hands KV blocks only to a decode engine of the same layout."""
     healthy: bool = False
     ever_healthy: bool = False
+    verified: bool = False  # its last /health proved it holds the credential (HealthPoller)
     failures: int = 0  # consecutive failures to answer (health polls or requests)
     inflight: int = 0  # requests the proxy has open there
     pending: int = 0  # the engine's reported waiting queue
@@ -241,11 +253,13 @@ class Registry:
         node = self.get(url)
         if node is None:
             return False
-        if node.healthy:
+        if node.healthy:  # the detail goes to the log, never to an API answer
             log.warning("node unhealthy: %s: %s", node.url, error)
+        else:
+            log.debug("node %s failed: %s", node.url, error)
         node.healthy = False
         node.failures += 1
-        node.last_error = error
+        node.last_error = UNREACHABLE
         in_grace = not node.ever_healthy and self._clock() - node.added_at < self.startup_grace
         if node.failures >= self.dead_threshold and node.source != "static" and not in_grace:
             log.warning("node dead after %d failures, dropped: %s", node.failures, node.url)
@@ -259,7 +273,12 @@ def _int(value: Any, default: Any) -> Any:
 
 
 class HealthPoller:
-    """Polls every node's ``/health`` each ``interval`` seconds, all nodes concurrently."""
+    """Polls every node's ``/health`` each ``interval`` seconds, all nodes concurrently.
+
+    Each poll carries a fresh challenge and no credential. With ``secret`` (the credential the
+    proxy sends engines) a node is healthy only if it answers with ``node_proof`` of the
+    challenge: the proxy sends the credential only to nodes that proved they hold it, so
+    registering an address (``/nodes/add``) cannot make the proxy hand it over."""
 
     def __init__(
         self,
@@ -267,31 +286,42 @@ class HealthPoller:
         client: httpx.AsyncClient,
         interval: float = 2.0,
         timeout: float = 5.0,
-        headers: dict[str, str] | None = None,
+        secret: str | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
         self.interval = interval
         self.timeout = timeout
-        self.headers = headers or {}
+        self.secret = secret
 
     async def probe(self, url: str) -> None:
         """Probe one node and record the outcome."""
+        nonce = new_nonce()
         try:
-            r = await self.client.get(url + "/health", timeout=self.timeout, headers=self.headers)
-        except (httpx.HTTPError, OSError) as exc:
-            self.registry.record_health(
-                url,
-                None,
-                None,
-                error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+            r = await self.client.get(
+                url + "/health", timeout=self.timeout, headers={CHALLENGE_HEADER: nonce}
             )
+        except (httpx.HTTPError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._verified(url, False)
+            self.registry.record_health(url, None, None, error=error)
             return
+        if self.secret and not proof_valid(self.secret, nonce, r.headers.get(PROOF_HEADER)):
+            error = f"/health answered {r.status_code} without proof of the credential"
+            self._verified(url, False)
+            self.registry.record_health(url, None, None, error=error)
+            return
+        self._verified(url, True)
         try:
             body = r.json()
         except ValueError:
             body = None
         self.registry.record_health(url, r.status_code, body if isinstance(body, dict) else None)
+
+    def _verified(self, url: str, ok: bool) -> None:
+        node = self.registry.get(url)
+        if node is not None:
+            node.verified = ok
 
     async def poll_once(self) -> None:
         urls = [n.url for n in self.registry.nodes()]

@@ -410,11 +410,23 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
     )
     hf = random_hf_model(path, dtype, device, args.seed)
     hf.save_pretrained(path)  # the checkpoint Tandem loads: the very tensors transformers holds
-    base = transformers_baselines(hf, prompts, outputs, args, device)
+    base = {} if args.steps_only else transformers_baselines(hf, prompts, outputs, args, device)
     del hf
     free(device)
 
     llm = make_tandem(path, args, device, dtype_name)
+    runner = llm.engine.worker.runner
+    if not args.steps_only:
+        offline(llm, prompts, outputs, base, args, device)
+    report_decode(llm, cfg, args, device, dtype)
+    report_prefill(llm, cfg, args, device, dtype)
+    llm.engine.close()
+    del llm, runner
+    free(device)
+
+
+def offline(llm, prompts, outputs, base: dict[str, float], args, device) -> None:
+    """Tandem on the whole workload, and on the continuous-batching baseline's."""
     runner = llm.engine.worker.runner
     t_ours, n_ours = run_tandem(llm, prompts, outputs, device)
     graphs = f"up to {runner.graph_sizes[-1]}" if runner.graph_sizes else "off"
@@ -432,11 +444,6 @@ def bench_model(name: str, args, device: torch.device, root: Path, tokenizer_src
             f"{n_cb / t_cb / base['cb']:.2f}x transformers CB",
             flush=True,
         )
-    report_decode(llm, cfg, args, device, dtype)
-    report_prefill(llm, cfg, args, device, dtype)
-    llm.engine.close()
-    del llm, runner
-    free(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--steps-only", action="store_true", help="decode steps and prefill only (no baselines)"
+    )
     parser.add_argument("--hf-seqs", type=int, default=None, help="prompts the baselines run")
     parser.add_argument("--cb-tokens", type=int, default=None)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=None)

@@ -52,13 +52,14 @@ setup() {
 
 warm() {
   # Build the kernels the tests and benchmarks use, one process per module (head size 128;
-  # bf16 and fp16; the plain decode kernel and FA2 prefill, which tensor-core decode shares).
-  local pids=()
-  for dtype in bfloat16 float16; do
-    for kind in decode prefill; do
-      MAX_JOBS=8 python3 bench/gpu_warm.py "$dtype" "$kind" &
-      pids+=($!)
-    done
+  # bf16 and fp16; the plain decode kernel and FA2 prefill, which tensor-core decode shares;
+  # the fused RMSNorm, rotary and SiLU * up). Modules already carried as AOT are not rebuilt.
+  local pids=() jobs=(norm rope act)
+  for dtype in bfloat16 float16; do jobs+=("$dtype:decode" "$dtype:prefill"); done
+  for job in "${jobs[@]}"; do
+    # shellcheck disable=SC2086
+    MAX_JOBS=6 python3 bench/gpu_warm.py ${job/:/ } &
+    pids+=($!)
   done
   local rc=0
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
@@ -66,21 +67,18 @@ warm() {
 }
 
 aot() {
-  # The built modules, packed to come back in $OUT and be carried as .fi-aot next time.
+  # The built modules in one archive, to come back in $OUT and be carried as .fi-aot next time.
   local ops
   ops=$(find .fi-cache -type d -name cached_ops | head -1)
   [ -n "$ops" ] || { echo "no built modules"; return 1; }
-  (cd "$ops" && for d in */; do
-    d=${d%/}
-    [ -f "$d/$d.so" ] && tar -czf "$OUT/fi-aot-$d.tar.gz" "$d/$d.so"
-  done)
-  ls -la "$OUT"/fi-aot-* 
+  (cd "$ops" && tar -czf "$OUT/fi-aot.tar.gz" */*.so && tar -tzf "$OUT/fi-aot.tar.gz")
+  ls -la "$OUT/fi-aot.tar.gz"
 }
 
 tests() {
   python3 -m pytest -p no:cacheprovider -q -rs -m cuda -o addopts="" \
     tests/test_gpu_flashinfer.py tests/test_gpu_graphs.py tests/test_gpu_exactness.py \
-    tests/test_update_weights.py tests/test_gpu_bench.py
+    tests/test_update_weights.py tests/test_gpu_bench.py tests/test_gpu_kernels.py
 }
 
 serve() {
@@ -121,6 +119,8 @@ for stage in "$@"; do
     serve) run_stage serve serve 240 ;;
     bench-small) run_stage bench-small bench 300 --models qwen3-0.6b ;;
     bench-8b) run_stage bench-8b bench 420 --models llama-3.1-8b ;;
+    steps-small) run_stage steps-small bench 200 --models qwen3-0.6b --steps-only ;;
+    steps-8b) run_stage steps-8b bench 300 --models llama-3.1-8b --steps-only ;;
     serving) run_stage serving serving 420 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -72,7 +72,7 @@ def test_rope_in_place_matches_the_reference(dtype: torch.dtype, rotary_fraction
     params = {"rope_theta": 10000.0, "partial_rotary_factor": rotary_fraction}
     rotary = RotaryEmbedding(params, 64, 4096)
     positions = torch.tensor([0, 1, 17, 900, 4095])
-    cos, sin = rotary.tables(positions, dtype)
+    cos, sin, _ = rotary.tables(positions, dtype)
     qkv = _rand(5, (9 + 3 + 3) * 64, dtype=dtype)
     q = qkv[:, : 9 * 64].view(5, 9, 64)
     k = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)

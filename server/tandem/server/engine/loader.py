@@ -169,5 +169,5 @@ def _reset_buffers(model: nn.Module, cfg: ModelConfig, device: torch.device) -> 
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             real = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
-            module.cos = real.cos.to(device)
-            module.sin = real.sin.to(device)
+            for name, table in real.named_buffers():
+                setattr(module, name, table.to(device))

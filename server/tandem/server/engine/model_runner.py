@@ -202,7 +202,9 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            share = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_reserved(self.device)
+            share = int(total * cfg.gpu_memory_utilization) - torch.cuda.memory_reserved(
+                self.device
+            )
             budget = min(share, free) - ACTIVATION_RESERVE_BYTES
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -3,14 +3,17 @@
 ``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only);
 ``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
 embedding), one pass each instead of several torch ops. ``library.py`` builds and loads them; ``ops.py`` is the typed
-Python side. Every kernel has a plain PyTorch reference that runs where they cannot (no C
+Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for 16-bit
+CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot (no C
 compiler, a GPU, float16) and that the tests compare them against.
 """
 
+from . import cuda_ops
 from .ops import cpu_kernels_for, paged_decode, paged_decode_for, rms_norm, rope_, silu_and_mul
 
 __all__ = [
     "cpu_kernels_for",
+    "cuda_ops",
     "paged_decode",
     "paged_decode_for",
     "rms_norm",

@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.cpu_kernels_for(x.device, x.dtype):
             return kernels.rms_norm(x, self.weight, self.eps)
+        if kernels.cuda_ops.cuda_kernels_for(x.device, x.dtype):
+            return kernels.cuda_ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,5 +126,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if kernels.cpu_kernels_for(gate_up.device, gate_up.dtype):
             return self.down_proj(kernels.silu_and_mul(gate_up))
+        if kernels.cuda_ops.cuda_kernels_for(gate_up.device, gate_up.dtype):
+            return self.down_proj(kernels.cuda_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -8,7 +8,7 @@ token against it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -84,7 +84,12 @@ def _yarn(
     return inv_freq, attention_factor
 
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [tokens, 1, rotary_dim] each
+class RopeTables(NamedTuple):
+    """A step's rotary inputs, looked up once per step rather than per layer."""
+
+    cos: torch.Tensor  # [tokens, 1, rotary_dim]
+    sin: torch.Tensor
+    positions: torch.Tensor  # [tokens]
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,17 +104,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        # the fused CUDA kernel's table: cos of each frequency, then sin, float32
+        half = self.rotary_dim // 2
+        cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos/sin rows of a step's positions, looked up once per step rather than per layer."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        return RopeTables(cos, sin, positions)
 
     def forward(
         self, rope: RopeTables, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope
+        cos, sin = rope.cos, rope.sin
+        if kernels.cuda_ops.cuda_kernels_for(q.device, q.dtype):  # in place, as below
+            return kernels.cuda_ops.rope_(q, k, rope.positions, self.cos_sin)
         if kernels.cpu_kernels_for(q.device, q.dtype):  # in place: q and k are this step's own
             return kernels.rope_(q, cos, sin), kernels.rope_(k, cos, sin)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)

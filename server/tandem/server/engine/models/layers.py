@@ -61,11 +61,26 @@ class Linear(nn.Linear):
 # The row counts where the packed product wins (measured on a Sapphire Rapids core): always
 # in 16-bit floats; in float32 for decode-sized batches only (MKL's sgemm is as fast on one
 # row and on prefill-sized batches).
-_PACKED_ROWS = (
-    {torch.bfloat16: (0, 1 << 62), torch.float16: (0, 1 << 62), torch.float32: (2, 64)}
-    if torch.backends.mkldnn.is_available()
-    else {}
-)
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return set()
+
+
+def _packed_rows() -> dict[torch.dtype, tuple[int, int]]:
+    """oneDNN packs float16 weights only on CPUs with native fp16 conversion (avx512_fp16 or
+    avx_ne_convert; elsewhere it raises): other CPUs keep F.linear for float16."""
+    if not torch.backends.mkldnn.is_available():
+        return {}
+    rows = {torch.bfloat16: (0, 1 << 62), torch.float32: (2, 64)}
+    if _cpu_flags() & {"avx512_fp16", "avx_ne_convert"}:
+        rows[torch.float16] = (0, 1 << 62)
+    return rows
+
+
+_PACKED_ROWS = _packed_rows()
 
 
 class PackedLinear(Linear):

@@ -93,6 +93,10 @@ serving() {
   python3 bench/gpu_serve.py "$@"
 }
 
+profiling() {
+  python3 bench/gpu_profile.py "$@"
+}
+
 bench() {
   python3 bench/gpu.py "$@"
 }
@@ -122,6 +126,7 @@ for stage in "$@"; do
     steps-small) run_stage steps-small bench 200 --models qwen3-0.6b --steps-only ;;
     steps-8b) run_stage steps-8b bench 300 --models llama-3.1-8b --steps-only ;;
     serving) run_stage serving serving 420 ;;
+    profile) run_stage profile profiling 300 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -510,7 +510,8 @@ class Watchdog:
     """Engines that stop answering ``/health`` (a 503 while loading or draining is an
     answer) for ``hang_timeout`` seconds are hung: stopped (SIGSTOP), deadlocked, swapping.
     Such a process never exits by itself, so it is SIGKILLed and ``Restarts`` brings it back.
-    An engine is watched only once it has answered since it was (re)started."""
+    An engine is watched once it has answered since it was (re)started (a restarted engine
+    loading its model is not hung)."""
 
     hang_timeout: float
     every: float = 1.0
@@ -627,7 +628,8 @@ def run(args: argparse.Namespace) -> int:
         )
         proxy = children[0]
         restarts = Restarts(out)
-        watchdog = Watchdog(args.hang_timeout)
+        # every engine just answered (wait_ready): watched from now on
+        watchdog = Watchdog(args.hang_timeout, last_ok={c.name: time.monotonic() for c in engines})
         while not stop.wait(0.5):
             if (rc := proxy.exited()) is not None:
                 print(

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ import yaml
 
 from tandem.server import local
 
+from .api_helpers import wait_until
 from .up_helpers import start_up
 
 pytestmark = pytest.mark.timeout(300)
@@ -188,3 +190,68 @@ def test_tandem_up_serves_the_openai_client_and_ctrl_c_stops_everything(
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _pid_on_port(url: str) -> int:
+    """The engine process started with ``--port`` of ``url`` (its own process group leader)."""
+    port = url.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in argv and argv[argv.index(b"--port") + 1 :][:1] == [port.encode()]:
+            if b"serve" in argv or b"tandem.server.cli" in argv:
+                return int(entry.name)
+    raise AssertionError(f"no process serves {url}")
+
+
+def test_tandem_up_restarts_a_stopped_engine(tmp_path: Path, llama_dir: Path) -> None:
+    """Issue 26: a SIGSTOPped engine never exits; tandem up notices it stopped answering its
+    health check, kills it and restarts it, and the proxy takes it back."""
+    proc, base, lines = start_up(
+        ["--model", str(llama_dir), "--port", "0", "--admin-api-key", "sk-up-admin"]
+        + ["--log-dir", str(tmp_path / "logs"), "--grace", "10", "--hang-timeout", "3"],
+        dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache")),
+        timeout=180,
+    )
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    try:
+        urls = dict(re.findall(r"(\S+) ready on (\S+)", "".join(lines)))
+        decode = urls["decode-0"]
+        os.kill(_pid_on_port(decode), signal.SIGSTOP)
+        wait_until(
+            lambda: any("restarted decode-0" in ln for ln in lines),
+            timeout=120,
+            what="tandem up to restart the stopped engine",
+        )
+        assert any("decode-0 has not answered its health check" in ln for ln in lines)
+        admin = {"Authorization": "Bearer sk-up-admin"}
+        proxy = base.removesuffix("/v1")
+        wait_until(
+            lambda: (
+                httpx.get(proxy + "/nodes/status", headers=admin, timeout=10)
+                .json()
+                .get(decode, {})
+                .get("healthy", False)
+            ),
+            timeout=180,
+            what="the restarted decode engine to rejoin the proxy",
+        )
+        r = httpx.post(  # no client key configured: clients need none
+            base + "/completions",
+            json={"model": llama_dir.name, "prompt": "Hello", "max_tokens": 4},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            reader.join(10)

@@ -173,7 +173,12 @@ def test_registry_health_and_dead_nodes() -> None:
     reg.record_health(d.url, None, None, error="refused")
     assert reg.get(d.url) is not None
     reg.record_health(d.url, None, None, error="refused")
-    assert reg.get(d.url) is None and removed == [d.url]  # dropped after 2 failures
+    # it answered before: kept (restarting? stalled?), out of routing, expected back
+    assert reg.get(d.url) is d and d.health == "dead" and reg.routable(DECODE_ROLES) == [s]
+    assert reg.expected_back(DECODE_ROLES, "m")
+    clock.t += 601  # down for longer than forget_after: dropped
+    reg.record_health(d.url, None, None, error="refused")
+    assert reg.get(d.url) is None and removed == [d.url]
     for _ in range(5):
         reg.record_failure(s.url, "refused")
     assert reg.get(s.url) is not None and not s.healthy  # static nodes stay, marked dead
@@ -187,6 +192,33 @@ def test_registry_health_and_dead_nodes() -> None:
     clock.t += 31
     reg.record_failure(late.url, "refused")
     assert reg.get(late.url) is None
+
+
+def test_stalled_node_is_told_from_a_dead_one_and_readmitted() -> None:
+    """Issue 26: a stalled engine was dropped for good; now it is probed with a backoff,
+    shown as stalled (timeout) or dead (refused), and re-admitted when it answers."""
+    clock = FakeClock()
+    reg = Registry(dead_threshold=2, startup_grace=30, clock=clock)
+    n = reg.add("http://127.0.0.1:5", "decode", ["m"])
+    assert n.health == "starting"
+    reg.record_health(n.url, 200, {"status": "ok"})
+    assert n.health == "healthy" and n.status()["health"] == "healthy"
+    for i in range(1, 6):
+        reg.record_failure(n.url, "ReadTimeout", stalled=True)
+        reg.backoff(n, 2.0)
+        assert n.health == "stalled" and reg.get(n.url) is n
+        assert not reg.probe_due(n)
+        assert n.next_probe_at - clock.t == min(8.0, 2.0 * 2 ** (i - 1))  # 2, 4, 8, 8, 8
+    clock.t += 8
+    assert reg.probe_due(n)
+    reg.record_failure(n.url, "ConnectError")
+    assert n.health == "dead" and n.status()["last_error"] == "unreachable"
+    reg.record_health(n.url, 200, {"status": "ok"})
+    assert n.healthy and reg.probe_due(n) and n.down_since is None
+    # a node never proven to be an engine says nothing about what happened to a connection
+    ghost = reg.add("http://127.0.0.1:6", "decode", ["m"])
+    reg.record_failure(ghost.url, "ReadTimeout", stalled=True)
+    assert ghost.health == "unreachable"
 
 
 def test_registry_readd_updates_role_keeps_counters() -> None:

@@ -10,7 +10,9 @@ a download into a volume.
 
 Every child runs in its own process group; Ctrl-C or SIGTERM stops them all (SIGTERM to
 each group, SIGKILL after a grace period), and so does any failure while starting. An
-engine that dies later is deregistered from the proxy and restarted with backoff.
+engine that dies later, or stops answering its ``/health`` for ``--hang-timeout`` seconds (then
+it is SIGKILLed: a stopped or wedged process never exits by itself), is restarted with backoff
+on the same address; the proxy keeps it listed meanwhile and holds requests for it a while.
 
 Keys never appear on a command line (``ps`` shows those to every user): the client key,
 the admin key and the internal credential that ``tandem up`` generates for the proxy and
@@ -91,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="seconds the engines may take to load before tandem up gives up",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=20.0,
+        help="seconds a running engine may leave its /health unanswered before it is killed "
+        "and restarted (0: never)",
     )
     parser.add_argument(
         "--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL on stop"
@@ -457,7 +466,7 @@ def internal_headers(proxy: Child) -> dict[str, str]:
 
 @dataclass
 class Restarts:
-    """Engines that died after start-up: each is deregistered and restarted after a delay
+    """Engines that died after start-up: each is restarted after a delay
     that doubles with each death (1 s, 2 s, ... up to ``max_delay``)."""
 
     out: TextIO
@@ -465,16 +474,16 @@ class Restarts:
     count: dict[str, int] = field(default_factory=dict)
     due: dict[str, float] = field(default_factory=dict)
 
-    def died(self, c: Child, rc: int, proxy: Child) -> None:
+    def died(self, c: Child, rc: int) -> None:
+        """Schedule the restart. The engine stays registered: it comes back on the same
+        address, and the proxy holds requests for an engine it expects back (``proxy.md``)."""
         n = self.count.get(c.name, 0)
         delay = min(self.max_delay, 2.0**n)
         self.count[c.name] = n + 1
         self.due[c.name] = time.monotonic() + delay
-        deregistered = _deregister(proxy, c)
         print(
-            f"tandem up: {c.name} exited with status {rc}; "
-            f"{'deregistered it, ' if deregistered else ''}restarting it in {delay:.0f}s "
-            f"(restart {n + 1}; log: {c.log_path})",
+            f"tandem up: {c.name} exited with status {rc}; restarting it in {delay:.0f}s on "
+            f"{c.url} (restart {n + 1}; log: {c.log_path})",
             file=self.out,
             flush=True,
         )
@@ -496,19 +505,55 @@ class Restarts:
         return c.name in self.due
 
 
-def _deregister(proxy: Child, c: Child) -> bool:
-    import httpx
+@dataclass
+class Watchdog:
+    """Engines that stop answering ``/health`` (a 503 while loading or draining is an
+    answer) for ``hang_timeout`` seconds are hung: stopped (SIGSTOP), deadlocked, swapping.
+    Such a process never exits by itself, so it is SIGKILLed and ``Restarts`` brings it back.
+    An engine is watched once it has answered since it was (re)started (a restarted engine
+    loading its model is not hung)."""
 
-    try:
-        r = httpx.post(
-            proxy.url + "/nodes/remove",
-            json={"url": c.url},
-            headers=internal_headers(proxy),
-            timeout=3.0,
+    hang_timeout: float
+    every: float = 1.0
+    last_ok: dict[str, float] = field(default_factory=dict)
+    next_check: float = 0.0
+
+    def hung(self, engines: list[Child], restarts: Restarts) -> list[Child]:
+        """The engines to kill now (each checked at most every ``every`` seconds)."""
+        import httpx
+
+        now = time.monotonic()
+        if self.hang_timeout <= 0 or now < self.next_check:
+            return []
+        self.next_check = now + self.every
+        out = []
+        for c in engines:
+            if restarts.waiting(c) or c.exited() is not None:
+                self.last_ok.pop(c.name, None)
+                continue
+            try:
+                httpx.get(c.url + "/health", timeout=min(2.0, self.hang_timeout))
+                self.last_ok[c.name] = time.monotonic()
+            except httpx.HTTPError:
+                seen = self.last_ok.get(c.name)
+                if seen is not None and time.monotonic() - seen >= self.hang_timeout:
+                    self.last_ok.pop(c.name)
+                    out.append(c)
+        return out
+
+    def kill(self, c: Child, out: TextIO) -> None:
+        print(
+            f"tandem up: {c.name} has not answered its health check for "
+            f"{self.hang_timeout:.0f}s; killing it",
+            file=out,
+            flush=True,
         )
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
+        c.signal(signal.SIGKILL)
+        if c.proc is not None:
+            try:
+                c.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 # ----- the command ------------------------------------------------------------------------------------
@@ -583,6 +628,8 @@ def run(args: argparse.Namespace) -> int:
         )
         proxy = children[0]
         restarts = Restarts(out)
+        # every engine just answered (wait_ready): watched from now on
+        watchdog = Watchdog(args.hang_timeout, last_ok={c.name: time.monotonic() for c in engines})
         while not stop.wait(0.5):
             if (rc := proxy.exited()) is not None:
                 print(
@@ -591,9 +638,11 @@ def run(args: argparse.Namespace) -> int:
                 )
                 code = 1
                 break
+            for c in watchdog.hung(engines, restarts):
+                watchdog.kill(c, out)
             for c in engines:
                 if not restarts.waiting(c) and (rc := c.exited()) is not None:
-                    restarts.died(c, rc, proxy)
+                    restarts.died(c, rc)
             restarts.restart_due(engines)
         return code
     finally:

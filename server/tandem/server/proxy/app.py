@@ -80,6 +80,9 @@ class ProxySettings:
     health_interval: float = 2.0
     dead_threshold: int = 3
     startup_grace: float = 600.0
+    # seconds an engine that answered before may stay down (stalled, restarting) before it
+    # is forgotten; it is probed with a backoff meanwhile (--forget-after)
+    forget_after: float = 600.0
     edge: EdgeSettings = field(default_factory=EdgeSettings)
     # max_tokens the proxy writes into a chat request that sets none (--default-max-tokens).
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
@@ -110,7 +113,9 @@ def get_state(request: Request) -> ProxyState:
 def build_app(settings: ProxySettings) -> FastAPI:
     """One proxy. Engines join through ``settings.static_nodes``, ``POST /nodes/add`` or discovery."""
     registry = Registry(
-        dead_threshold=settings.dead_threshold, startup_grace=settings.startup_grace
+        dead_threshold=settings.dead_threshold,
+        startup_grace=settings.startup_grace,
+        forget_after=settings.forget_after,
     )
     for url, role in settings.static_nodes:
         registry.add(url, role, None, source="static")
@@ -636,6 +641,16 @@ class _ProxyCollector(Collector):
                 "tandem_proxy_client_disconnects",
                 "Clients that left before their answer",
                 stats.client_disconnects,
+            ),
+            (
+                "tandem_proxy_stalls",
+                "Engines given up on by a request for making no progress (--stall-timeout)",
+                stats.stalls,
+            ),
+            (
+                "tandem_proxy_engine_waits",
+                "Requests that waited for an engine expected back (restarting, stalled)",
+                stats.waits,
             ),
             (
                 "tandem_proxy_unserved_requests",

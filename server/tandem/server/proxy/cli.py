@@ -88,6 +88,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a registered node that never answered /health is kept (model loading)",
     )
     parser.add_argument(
+        "--forget-after",
+        type=float,
+        default=600.0,
+        help="seconds an engine that was healthy may stay down (stalled, restarting) before "
+        "it is dropped; meanwhile it is re-probed with a backoff and re-admitted when it answers",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a stream (or a prefill step) may make no progress before its engine is "
+        "given up (the request goes elsewhere, or the stream ends with an error event); also "
+        "how long a request waits for an engine that is expected back",
+    )
+    parser.add_argument(
         "--max-attempts", type=int, default=3, help="engines tried per step before giving up"
     )
     parser.add_argument(
@@ -132,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         or credentials.internal_key,
         max_attempts=max(1, args.max_attempts),
         request_timeout=args.request_timeout,
+        stall_timeout=max(0.5, args.stall_timeout),
     )
     discovery = (
         kubernetes_discovery(_namespace(args.namespace), args.selector)
@@ -145,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         dead_threshold=args.dead_threshold,
         startup_grace=args.startup_grace,
+        forget_after=args.forget_after,
         discovery=discovery,
         edge=edge_from_args(args),
         default_max_tokens=args.default_max_tokens or None,

@@ -23,6 +23,14 @@ Failure rules, so that no engine holds blocks for nobody:
 - a decode engine that cannot be reached is marked unhealthy and the request runs
   aggregated on another one; one that dies mid-answer ends the request with a clear error
   (HTTP 502, or an error event in a stream: the tokens already sent cannot be unsent).
+
+No request hangs on a stalled engine (``FlowConfig.stall_timeout``): a stream, and the prefill
+step, that makes no progress (no byte) for ``stall_timeout`` seconds, or for
+``STALL_CONFIRM_S`` once the health poller has found the engine not answering, is given up;
+if nothing reached the client yet the request goes to another engine (or, for a prefill,
+aggregated to the decode side), else the stream ends with an error event and ``[DONE]``. A
+request that finds no healthy engine while one is expected back (stalled, restarting) waits
+for it up to ``stall_timeout`` instead of failing at once.
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ DISCONNECT_POLL_S = 0.2
 # Statuses after which the same request may succeed on another engine (nothing ran there).
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 RETRY_AFTER_SECONDS = 15  # a 503 for want of engines: about one autoscaler poll
+# Silence after which a request gives up on an engine the health poller already found down.
+STALL_CONFIRM_S = 2.0
 
 
 def tenant_header(request: Request) -> dict[str, str]:
@@ -96,6 +106,7 @@ class FlowConfig:
     max_attempts: int = 3  # engines tried per step before giving up on that step
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    stall_timeout: float = 10.0  # seconds without progress before an engine is given up
 
 
 @dataclass
@@ -109,6 +120,8 @@ class FlowStats:
     fallbacks_aggregated: int = 0
     client_disconnects: int = 0
     unserved: int = 0  # refused for want of any engine: scale-from-zero demand
+    stalls: int = 0  # engines given up on for making no progress
+    waits: int = 0  # requests that waited for an engine expected back
     latency_sum: float = 0.0
     latency_count: int = 0
 
@@ -235,6 +248,8 @@ class PDFlow:
             raise APIError(400, "'model' must be a string", code="invalid_value", param="model")
         decoders = self.registry.routable(DECODE_ROLES, model)
         if not decoders:
+            decoders = await self._await_engines(model, request)
+        if not decoders:
             self._raise_unroutable(model)
         text = routing.prompt_text(kind, body)
         chunks = routing.chunk_hashes(text, self.prefix.chunk_chars)
@@ -308,27 +323,56 @@ class PDFlow:
         alternatives: list[Node],
         session_key: str | None = None,
     ) -> Response:
-        """Send the request as is to ``first``; on a connect failure or a retryable status,
-        to the next best of ``alternatives``."""
+        """Send the request as is to ``first``; on a connect failure, a stall before anything
+        reached the client or a retryable status, to the next best of ``alternatives``; when
+        none is left but one is expected back (restarting, stalled), wait for it once."""
         last_error = "no engine tried"
-        for node in self._attempts(alternatives, chunks, 0, set(), first):
-            try:
-                resp = await self._open(node, kind, body, request)
-            except _Unreachable as exc:
-                last_error = str(exc)
-                self.registry.record_failure(node.url, last_error)
-                continue
-            if resp.status_code in RETRYABLE_STATUS:
-                last_error = f"{node.url} answered {resp.status_code}"
-                await resp.aclose()
-                continue
-            self.prefix.record(node.url, chunks)
-            if session_key is not None and resp.status_code < 400:
-                self.sessions.set(session_key, node.url)
-            return await self._relay(node, resp, request, body)
+        tried: set[str] = set()
+        for _ in range(2):
+            for node in self._attempts(alternatives, chunks, 0, tried, first):
+                try:
+                    resp = await self._open(node, kind, body, request, idle=self._idle(body))
+                    if resp.status_code in RETRYABLE_STATUS:
+                        last_error = f"{node.url} answered {resp.status_code}"
+                        await resp.aclose()
+                        continue
+                    self.prefix.record(node.url, chunks)
+                    if session_key is not None and resp.status_code < 400:
+                        self.sessions.set(session_key, node.url)
+                    return await self._relay(node, resp, request, body)
+                except _Unreachable as exc:
+                    last_error = str(exc)
+                    self._record_down(node, exc)
+            alternatives = await self._await_engines(body.get("model"), request)
+            first, tried = None, set()
         raise APIError(
             503, f"no engine could take the request: {last_error}", code="no_engine_available"
         )
+
+    def _idle(self, body: dict[str, Any]) -> float | None:
+        """How long an answer may make no progress: a stream (or a one-token prefill) must show
+        bytes within ``stall_timeout``; a whole non-streamed answer may take as long as it
+        takes, and is given up only once the health poller finds its engine down."""
+        return self.config.stall_timeout if body.get("stream") else None
+
+    def _record_down(self, node: Node, exc: Exception) -> None:
+        stalled = isinstance(exc, _Stalled)
+        self.stats.stalls += stalled
+        self.registry.record_failure(node.url, str(exc), stalled=stalled)
+
+    async def _await_engines(self, model: Any, request: Request) -> list[Node]:
+        """No healthy decode engine: if one is expected back (restarting under ``tandem up``,
+        stalled, loading), wait for it up to ``stall_timeout`` rather than fail at once."""
+        model = model if isinstance(model, str) else None
+        deadline = time.monotonic() + self.config.stall_timeout
+        waited = False
+        while not (nodes := self.registry.routable(DECODE_ROLES, model)):
+            if time.monotonic() >= deadline or not self.registry.expected_back(DECODE_ROLES, model):
+                break
+            self.stats.waits += not waited
+            waited = True
+            await watch_progress(asyncio.sleep(0.1), request)
+        return nodes
 
     def _attempts(
         self,
@@ -353,20 +397,26 @@ class PDFlow:
             node = None
 
     async def _open(
-        self, node: Node, kind: str, body: dict[str, Any], request: Request, path: str | None = None
+        self,
+        node: Node,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        idle: float | None = None,
     ) -> httpx.Response:
         """Send the request and wait for the status line (streamed body left open), watching
-        the client: if it leaves, the upstream request is cancelled and ClientDisconnected raised."""
+        the client: if it leaves, the upstream request is cancelled and ClientDisconnected raised.
+        No status line within ``idle`` seconds (or the engine found down) raises _Stalled."""
         req = self.client.build_request(
             "POST",
-            node.url + (path or PATHS[kind]),
+            node.url + PATHS[kind],
             json=body,
             headers={**self.headers, **request_id_header(request), **tenant_header(request)},
             timeout=self._timeout(),
         )
         node.inflight += 1
         try:
-            return await watch_client(self.client.send(req, stream=True), request)
+            return await watch_progress(self.client.send(req, stream=True), request, node, idle)
         except (
             httpx.ConnectError,
             httpx.ConnectTimeout,
@@ -398,9 +448,9 @@ class PDFlow:
         if not is_stream:
             got = False
             try:
-                content = await watch_client(resp.aread(), request)
+                content = await watch_progress(resp.aread(), request, node)
                 got = True
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, _Stalled) as exc:
                 self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
                 raise APIError(
                     502,
@@ -415,43 +465,69 @@ class PDFlow:
             headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type",)}
             return Response(content, status_code=resp.status_code, headers=headers)
 
-        node.inflight += 1
-
-        async def passthrough() -> AsyncIterator[bytes]:
-            got = False
-            tail = b"\n\n"
-            try:
-                async for chunk in resp.aiter_raw():
-                    if chunk:
-                        got = True
-                        tail = chunk[-2:]
-                        yield chunk
-            except httpx.HTTPError as exc:
-                self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
-                self.stats.decode_failures += 1
-                log.warning("engine %s failed mid-stream: %s", node.url, exc)
-                err = error_body(
-                    502,
-                    f"the engine at {node.url} failed mid-stream: {type(exc).__name__}: {exc}",
-                    type="upstream_error",
-                    code="engine_failed",
-                )
-                if media == "application/x-ndjson":
-                    sep = b"" if tail.endswith(b"\n") else b"\n"
-                    yield sep + ndjson_line({**err, "done": True})
-                else:
-                    sep = b"" if tail == b"\n\n" else b"\n\n"
-                    yield sep + error_event(err)
-            finally:
-                node.inflight -= 1
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-                    if on_end is not None:
-                        await on_end(got)
-
+        chunks = resp.aiter_raw()
+        try:  # nothing has reached the client yet: a stall here can still go elsewhere
+            first = await self._next_chunk(chunks, node, request)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+                if on_end is not None:
+                    await on_end(False)
+            if isinstance(exc, httpx.HTTPError):
+                raise _Unreachable(f"{node.url}: {type(exc).__name__}: {exc}") from exc
+            raise
         return DisconnectAwareStreamingResponse(
-            passthrough(), media_type=media, headers=SSE_HEADERS
+            self._passthrough(node, resp, chunks, first, media, on_end),
+            media_type=media,
+            headers=SSE_HEADERS,
         )
+
+    async def _next_chunk(
+        self, chunks: AsyncIterator[bytes], node: Node, request: Request | None
+    ) -> bytes | None:
+        """The next non-empty chunk of an engine's stream (None at its end), or _Stalled after
+        ``stall_timeout`` seconds without one."""
+        while True:
+            try:
+                chunk = await watch_progress(
+                    chunks.__anext__(), request, node, self.config.stall_timeout
+                )
+            except StopAsyncIteration:
+                return None
+            if chunk:
+                return chunk
+
+    async def _passthrough(
+        self,
+        node: Node,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes | None,
+        media: str,
+        on_end: Callable[[bool], Awaitable[None]] | None,
+    ) -> AsyncIterator[bytes]:
+        """The engine's stream, byte for byte; if the engine fails or stalls mid-stream, an
+        error event in OpenAI's shape and ``[DONE]`` (an NDJSON error line), never a hang."""
+        got = first is not None
+        tail = first[-2:] if first else b"\n\n"
+        node.inflight += 1
+        try:
+            chunk = first
+            while chunk is not None:
+                tail = chunk[-2:]
+                yield chunk
+                chunk = await self._next_chunk(chunks, node, None)
+        except (httpx.HTTPError, _Stalled) as exc:
+            self._record_down(node, exc)
+            self.stats.decode_failures += 1
+            log.warning("engine %s failed mid-stream: %s", node.url, exc)
+            yield _stream_error(node, exc, media, tail)
+        finally:
+            node.inflight -= 1
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+                if on_end is not None:
+                    await on_end(got)
 
     # --- disaggregated: prefill on P, decode on D ------------------------------------------------
     async def disaggregated(
@@ -469,14 +545,15 @@ class PDFlow:
         answer: dict[str, Any] | None = None
         for prefill in self._attempts(prefillers, chunks, prompt_tokens, set()):
             try:
-                resp = await self._open(prefill, kind, prefill_body, request)
+                stall = self.config.stall_timeout
+                resp = await self._open(prefill, kind, prefill_body, request, idle=stall)
                 try:
-                    content = await watch_client(resp.aread(), request)
+                    content = await watch_progress(resp.aread(), request, prefill, stall)
                 finally:
                     await resp.aclose()
             except (_Unreachable, httpx.HTTPError) as exc:
                 self.stats.prefill_failures += 1
-                self.registry.record_failure(prefill.url, str(exc))
+                self._record_down(prefill, exc)
                 log.warning("prefill on %s failed (%s); trying another", prefill.url, exc)
                 continue
             if resp.status_code >= 500 or resp.status_code == 429:
@@ -523,10 +600,10 @@ class PDFlow:
         tried: set[str] = set()
         for node in self._attempts(decoders, chunks, prompt_tokens, tried, decode):
             try:
-                resp = await self._open(node, kind, decode_body, request)
+                resp = await self._open(node, kind, decode_body, request, idle=self._idle(body))
             except _Unreachable as exc:
                 self.stats.decode_failures += 1
-                self.registry.record_failure(node.url, str(exc))
+                self._record_down(node, exc)
                 log.warning("decode on %s unreachable (%s)", node.url, exc)
                 continue
             except ClientDisconnected:
@@ -563,10 +640,18 @@ class PDFlow:
                 if not got_data:
                     await self.free_cache(pf, kv)
 
-            return await self._relay(node, resp, request, body, on_end=on_end), "disaggregated"
-        # No decode engine took the handoff: release P's blocks and run the whole request elsewhere.
-        self._spawn(self.free_cache(prefill, kv))
+            try:
+                return await self._relay(node, resp, request, body, on_end=on_end), "disaggregated"
+            except _Unreachable as exc:  # D stalled before its first byte; on_end freed P's lease
+                self.stats.decode_failures += 1
+                self._record_down(node, exc)
+                break
+        else:
+            # No decode engine took the handoff: release P's blocks.
+            self._spawn(self.free_cache(prefill, kv))
+        # Run the whole request elsewhere (or on an engine coming back).
         rest = [n for n in decoders if n.healthy and n.url not in tried]
+        rest = rest or await self._await_engines(body.get("model"), request)
         if not rest:
             raise APIError(
                 503, "no decode engine could take the request", code="no_engine_available"
@@ -580,14 +665,56 @@ def _as_response(resp: httpx.Response, content: bytes) -> Response:
     return Response(content, status_code=resp.status_code, headers=headers)
 
 
+def _stream_error(node: Node, exc: Exception, media: str, tail: bytes) -> bytes:
+    """The last bytes of a stream its engine failed: an OpenAI-shaped error event and
+    ``[DONE]`` (an NDJSON error line for Ollama's framing), after a separator if needed."""
+    stalled = isinstance(exc, _Stalled)
+    what = "stalled" if stalled else "failed"
+    err = error_body(
+        504 if stalled else 502,
+        f"the engine at {node.url} {what} mid-stream: {exc}",
+        type="upstream_error",
+        code="engine_stalled" if stalled else "engine_failed",
+    )
+    if media == "application/x-ndjson":
+        sep = b"" if tail.endswith(b"\n") else b"\n"
+        return sep + ndjson_line({**err, "done": True})
+    sep = b"" if tail == b"\n\n" else b"\n\n"
+    return sep + error_event(err)
+
+
 class _Unreachable(Exception):
     """The engine could not be reached or dropped the connection before answering."""
+
+
+class _Stalled(_Unreachable):
+    """The engine took the request and made no progress in time (stopped, hung, swapping)."""
+
+
+def _gave_up(node: Node | None, waited: float, idle: float | None) -> bool:
+    """Silence for ``idle`` seconds, or for ``STALL_CONFIRM_S`` from an engine the health
+    poller has found not answering (a 503 while draining is an answer: not given up)."""
+    if idle is not None and waited >= idle:
+        return True
+    return node is not None and node.failures > 0 and not node.healthy and waited >= STALL_CONFIRM_S
 
 
 async def watch_client(aw: Awaitable[T], request: Request | None) -> T:
     """Await ``aw`` unless the client disconnects first; then cancel it (closing the upstream
     connection, which makes the engine abort) and raise ClientDisconnected."""
+    return await watch_progress(aw, request)
+
+
+async def watch_progress(
+    aw: Awaitable[T],
+    request: Request | None,
+    node: Node | None = None,
+    idle: float | None = None,
+) -> T:
+    """``watch_client``, and give up on ``node`` (cancel ``aw``, raise _Stalled) when it makes
+    no progress: a stalled engine never holds its clients longer than the stall timeout."""
     task = asyncio.ensure_future(aw)
+    start = time.monotonic()
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -595,6 +722,10 @@ async def watch_client(aw: Awaitable[T], request: Request | None) -> T:
                 return task.result()
             if request is not None and await request.is_disconnected():
                 raise ClientDisconnected()
+            waited = time.monotonic() - start
+            if _gave_up(node, waited, idle):
+                url = node.url if node is not None else "engine"
+                raise _Stalled(f"{url}: no progress for {waited:.1f}s")
     finally:
         if not task.done():
             task.cancel()

@@ -8,6 +8,13 @@ makes it unroutable without counting against it, and failures to answer count. A
 engine is gone; if it comes back it registers again); a static node stays listed, marked
 dead, and comes back when it answers. A request that cannot reach a node marks it
 unhealthy at once, so the retry that follows picks another.
+
+An engine that was healthy and stops answering is not forgotten at once: it may be stalled
+(``SIGSTOP``, a long GC, a swap storm: the connection opens, no answer comes) or dead (the
+connection is refused) and coming back (``tandem up`` restarts it on the same address). Such
+a node stays listed, out of routing, and is probed with a backoff until it answers again
+(then it is re-admitted) or has been down ``forget_after`` seconds. Requests that find no
+healthy engine while one is expected back wait for it a little (``PDFlow``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ PREFILL_ROLES = frozenset({"prefill"})
 # What /nodes/status says of any node that did not answer as an engine holding the
 # credential: refused, timed out, another server, no proof alike (no port-scan oracle).
 UNREACHABLE = "unreachable"
+# What /nodes/status says of a node's health (``Node.health``).
+HEALTHY, NOT_READY, STARTING, STALLED, DEAD = "healthy", "not_ready", "starting", "stalled", "dead"
+MAX_PROBE_BACKOFF = 8.0  # seconds: a node that comes back is re-admitted this soon at worst
 
 
 def normalize_url(url: str) -> str:
@@ -85,6 +95,9 @@ class Node:
     added_at: float = 0.0
     last_error: str | None = None
     last_status: str | None = None
+    stalled: bool = False  # its last failure was a timeout on an open connection
+    down_since: float | None = None  # when it last stopped answering (None: answering)
+    next_probe_at: float = 0.0  # the poller's backoff for a node that does not answer
 
     @property
     def role_id(self) -> int:
@@ -93,6 +106,20 @@ class Node:
     @property
     def load(self) -> int:
         return self.inflight + self.pending
+
+    @property
+    def health(self) -> str:
+        """healthy, not_ready (answered 503), starting (never answered yet), stalled (answered
+        before, now accepts connections and says nothing), dead (answered before, now refuses),
+        or ``unreachable`` for a node never proven to be an engine: what happened to a
+        connection is told only of engines that proved themselves (no port-scan oracle)."""
+        if self.healthy:
+            return HEALTHY
+        if self.failures == 0:
+            return NOT_READY if self.ever_healthy or self.last_status else STARTING
+        if not self.ever_healthy:
+            return UNREACHABLE
+        return STALLED if self.stalled else DEAD
 
     def serves(self, model: str | None) -> bool:
         """A node that lists no models serves whatever it is asked (Kubernetes discovery)."""
@@ -106,6 +133,7 @@ class Node:
             "role_name": self.role,
             "unfinished": self.inflight,
             "healthy": self.healthy,
+            "health": self.health,
             "source": self.source,
             "pending_requests": self.pending,
             "active_requests": self.active,
@@ -125,11 +153,13 @@ class Registry:
         dead_threshold: int = 3,
         startup_grace: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        forget_after: float = 600.0,
     ) -> None:
         if dead_threshold < 1:
             raise ValueError("dead_threshold must be >= 1")
         self.dead_threshold = dead_threshold
         self.startup_grace = startup_grace
+        self.forget_after = forget_after
         self._clock = clock
         self._nodes: dict[str, Node] = {}
         self._on_remove: list[Callable[[Node], None]] = []
@@ -197,6 +227,21 @@ class Registry:
             key=lambda n: n.url,
         )
 
+    def expected_back(self, roles: frozenset[str], model: str | None = None) -> bool:
+        """Whether a node in ``roles`` serving ``model`` is down but may well return soon: it
+        was healthy and stopped answering (stalled, or restarting on its address), or it was
+        registered and is still loading. A request finding no healthy node waits for it."""
+        now = self._clock()
+        for n in self._nodes.values():
+            if n.healthy or n.role not in roles or not n.serves(model):
+                continue
+            if n.ever_healthy or now - n.added_at < self.startup_grace:
+                return True
+        return False
+
+    def clock(self) -> float:
+        return self._clock()
+
     def models(self) -> list[str]:
         """Every model name a healthy node serves, in first-seen order."""
         seen: dict[str, None] = {}
@@ -242,30 +287,60 @@ class Registry:
             node.healthy = node.ever_healthy = True
             node.failures = 0
             node.last_error = None
+            node.stalled = False
+            node.down_since = None
+            node.next_probe_at = 0.0
         elif status_code == 503:
             node.healthy = False
+            node.failures = 0
+            node.stalled = False
             node.last_error = f"not ready ({node.last_status or 'unavailable'})"
         else:
             self.record_failure(url, error or f"/health answered {status_code}")
 
-    def record_failure(self, url: str, error: str) -> bool:
-        """A node failed to answer (a probe or a request). Returns True if it was dropped."""
+    def record_failure(self, url: str, error: str, *, stalled: bool = False) -> bool:
+        """A node failed to answer (a probe or a request); ``stalled``: it took the connection
+        and said nothing in time. Returns True if it was dropped."""
         node = self.get(url)
         if node is None:
             return False
         if node.healthy:  # the detail goes to the log, never to an API answer
-            log.warning("node unhealthy: %s: %s", node.url, error)
+            log.warning("node %s: %s: %s", "stalled" if stalled else "unhealthy", node.url, error)
         else:
             log.debug("node %s failed: %s", node.url, error)
+        now = self._clock()
         node.healthy = False
         node.failures += 1
+        node.stalled = stalled
         node.last_error = UNREACHABLE
-        in_grace = not node.ever_healthy and self._clock() - node.added_at < self.startup_grace
-        if node.failures >= self.dead_threshold and node.source != "static" and not in_grace:
-            log.warning("node dead after %d failures, dropped: %s", node.failures, node.url)
+        if node.down_since is None:
+            node.down_since = now
+        if self._forget(node, now):
+            log.warning("node down after %d failures, dropped: %s", node.failures, node.url)
             self.remove(url)
             return True
         return False
+
+    def _forget(self, node: Node, now: float) -> bool:
+        """A static node is never dropped. A node that never answered goes after
+        ``dead_threshold`` failures once its startup grace is over; one that answered before
+        is kept (stalled or restarting) and probed until it has been down ``forget_after``."""
+        if node.source == "static" or node.failures < self.dead_threshold:
+            return False
+        if not node.ever_healthy:
+            return now - node.added_at >= self.startup_grace
+        return node.down_since is not None and now - node.down_since >= self.forget_after
+
+    def probe_due(self, node: Node) -> bool:
+        """The poller's backoff: a node that does not answer is probed after 1, 2, 4 ...
+        poll intervals (at most ``MAX_PROBE_BACKOFF`` s), so a dead node costs little and a
+        revived one is re-admitted soon."""
+        return self._clock() >= node.next_probe_at
+
+    def backoff(self, node: Node, interval: float) -> None:
+        if node.failures > 0:
+            delay = min(max(interval, MAX_PROBE_BACKOFF), interval * 2.0 ** (node.failures - 1))
+            node.next_probe_at = self._clock() + delay
 
 
 def _int(value: Any, default: Any) -> Any:
@@ -304,12 +379,16 @@ class HealthPoller:
         except (httpx.HTTPError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self._verified(url, False)
-            self.registry.record_health(url, None, None, error=error)
+            # connected, then silence: the process is there and not answering (stalled)
+            stalled = isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout))
+            self.registry.record_failure(url, error, stalled=stalled)
+            self._backoff(url)
             return
         if self.secret and not proof_valid(self.secret, nonce, r.headers.get(PROOF_HEADER)):
             error = f"/health answered {r.status_code} without proof of the credential"
             self._verified(url, False)
             self.registry.record_health(url, None, None, error=error)
+            self._backoff(url)
             return
         self._verified(url, True)
         try:
@@ -318,13 +397,18 @@ class HealthPoller:
             body = None
         self.registry.record_health(url, r.status_code, body if isinstance(body, dict) else None)
 
+    def _backoff(self, url: str) -> None:
+        node = self.registry.get(url)
+        if node is not None:
+            self.registry.backoff(node, self.interval)
+
     def _verified(self, url: str, ok: bool) -> None:
         node = self.registry.get(url)
         if node is not None:
             node.verified = ok
 
     async def poll_once(self) -> None:
-        urls = [n.url for n in self.registry.nodes()]
+        urls = [n.url for n in self.registry.nodes() if self.registry.probe_due(n)]
         if urls:
             await asyncio.gather(*(self.probe(u) for u in urls))
 

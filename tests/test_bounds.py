@@ -1,0 +1,136 @@
+"""Issue 26 ("No client can hurt another", items 5 and 6): grammar compiles bounded in size
+and time, log lines a client cannot forge, sessions capped per key, expired P/D leases
+reclaimed without traffic. Unit tests first, then one real engine on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem.server.api.errors import APIError
+from tandem.server.api.generation import _await_compile
+from tandem.server.engine.grammar_limits import GrammarError, check_size
+from tandem.server.engine.structured import GrammarCache, GrammarSpec
+
+from .api_helpers import ENGINE_FLAGS, ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY_A, KEY_B = "sk-bounds-a", "sk-bounds-b"
+
+
+def _properties(n: int) -> dict:
+    """An object schema of ``n`` optional string properties: what makes xgrammar slow."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+# ----- A: grammar size and time ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind, source",
+    [
+        ("json_schema", json.dumps(_properties(10_000))),
+        ("json_schema", "[" * 100 + "]" * 100),
+        ("json_schema", json.dumps({"type": "string", "description": "x" * 300_000})),
+        ("regex", "a" * 20_000),
+        ("choice", json.dumps([f"c{i}" for i in range(2_000)])),
+        ("grammar", 'root ::= "' + "a" * 300_000 + '"'),
+    ],
+)
+def test_a_grammar_over_the_limits_is_refused_before_compiling(kind: str, source: str) -> None:
+    with pytest.raises(GrammarError) as err:
+        check_size(kind, source)
+    assert err.value.code == "grammar_too_large" and "limit" in str(err.value)
+
+
+def test_real_schemas_are_within_the_limits() -> None:
+    check_size("json_schema", json.dumps(_properties(500)))
+    nested: dict = {"type": "integer"}
+    for _ in range(20):
+        nested = {"type": "object", "properties": {"a": nested}, "required": ["a"]}
+    check_size("json_schema", json.dumps(nested))
+    check_size("regex", r"[a-z]{3}-[0-9]{2}")
+
+
+def test_a_compile_nobody_waits_for_is_cancelled_before_it_starts(llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    cache = GrammarCache(tok, len(tok), [])
+    try:
+        gate = cache._executor.submit(time.sleep, 1.0)  # the compile thread, busy
+        spec = GrammarSpec("regex", "[a-z]+")
+        fut = cache.acquire(spec)
+        assert cache.acquire(spec) is fut  # a second waiter shares it
+        cache.release(spec)
+        assert not fut.cancelled()  # one waiter is still there
+        cache.release(spec)
+        assert fut.cancelled() and cache.submit(spec) is not fut
+        gate.result()
+    finally:
+        cache.close()
+
+
+def test_a_compile_over_its_budget_is_a_400() -> None:
+    never: Future = Future()
+    with pytest.raises(APIError) as err:
+        asyncio.run(_await_compile(never, 0.2, None))
+    assert err.value.status == 400 and err.value.code == "grammar_timeout"
+    assert not never.cancelled()  # the cache's future is left to the cache
+
+
+# ----- a real engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("bounds")
+    keys = logs / "keys"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    server = ServerProcess(
+        str(llama_dir),
+        *ENGINE_FLAGS,
+        "--api-key-file",
+        str(keys),
+        api_key=KEY_A,
+        log_path=logs / "engine.log",
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _completion(server: ServerProcess, key: str = KEY_A, timeout: float = 60, **extra):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra}
+    return httpx.post(
+        server.url + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=timeout,
+    )
+
+
+def test_an_oversize_schema_is_a_400_in_the_api_shape(engine: ServerProcess) -> None:
+    r = _completion(engine, guided_json=_properties(10_000))
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"}
+    assert err["code"] == "grammar_too_large"
+
+
+def test_a_client_leaving_a_long_compile_leaves_the_server_serving(engine: ServerProcess) -> None:
+    """1,000 optional properties: within the limits, seconds to compile on the tiny model. Its
+    client leaves at once; the server answers another client (plain and constrained) meanwhile."""
+    with pytest.raises(httpx.TimeoutException):
+        _completion(engine, timeout=0.5, guided_json=_properties(1_000))
+    started = time.monotonic()
+    assert _completion(engine, key=KEY_B).status_code == 200
+    assert time.monotonic() - started < 30
+    small = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert _completion(engine, key=KEY_B, guided_json=small).status_code == 200
+    assert engine.health()["active_requests"] == 0

@@ -5,7 +5,9 @@ reclaimed without traffic. Unit tests first, then one real engine on loopback.""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -17,8 +19,10 @@ from tandem.server.api.errors import APIError
 from tandem.server.api.generation import _await_compile
 from tandem.server.engine.grammar_limits import GrammarError, check_size
 from tandem.server.engine.structured import GrammarCache, GrammarSpec
+from tandem.server.logsafe import EscapeControls, escape_controls
 
-from .api_helpers import ENGINE_FLAGS, ServerProcess
+from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
+from .test_proxy_helpers import ProxyProcess, stop_all
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,23 +90,38 @@ def test_a_compile_over_its_budget_is_a_400() -> None:
 
 # ----- a real engine ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def plane(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One engine with two client keys (logging at info, so every request is a line) and a
+    proxy in front of it."""
     logs = tmp_path_factory.mktemp("bounds")
     keys = logs / "keys"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    internal = {"TANDEM_INTERNAL_API_KEY": "sk-bounds-internal"}
     server = ServerProcess(
         str(llama_dir),
         *ENGINE_FLAGS,
         "--api-key-file",
         str(keys),
+        "--log-level",
+        "info",
         api_key=KEY_A,
+        env=internal,
         log_path=logs / "engine.log",
+    )
+    proxy = ProxyProcess(
+        "--node", server.url, "--log-level", "info", env=internal, log_path=logs / "proxy.log"
     )
     try:
         server.wait_ready()
-        yield server
+        proxy.wait_healthy([server.url])
+        yield server, proxy
     finally:
-        server.stop()
+        stop_all([proxy, server])
+
+
+@pytest.fixture(scope="module")
+def engine(plane) -> ServerProcess:
+    return plane[0]
 
 
 def _completion(server: ServerProcess, key: str = KEY_A, timeout: float = 60, **extra):
@@ -134,3 +153,29 @@ def test_a_client_leaving_a_long_compile_leaves_the_server_serving(engine: Serve
     small = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert _completion(engine, key=KEY_B, guided_json=small).status_code == 200
     assert engine.health()["active_requests"] == 0
+
+
+# ----- C: log lines a client cannot forge --------------------------------------------------------
+def test_control_characters_are_escaped_in_every_record() -> None:
+    assert escape_controls("a\nb\rc\x1b[31m\u2028d") == "a\\x0ab\\x0dc\\x1b[31m\\u2028d"
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(EscapeControls())
+    logger = logging.getLogger("tandem.test.logsafe")
+    logger.addHandler(handler)
+    try:
+        logger.warning("GET %s %d", "/v1/models\nFAKE LINE", 404)
+    finally:
+        logger.removeHandler(handler)
+    assert stream.getvalue() == "GET /v1/models\\x0aFAKE LINE 404\n"
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["engine", "proxy"])
+def test_an_encoded_newline_in_the_path_forges_no_log_line(plane, which: int) -> None:
+    server = plane[which]
+    for path in ("/v1/models%0aFAKE%20LINE", "/v1/models%0d%0aFAKE%20LINE2", "/x%E2%80%A8FAKE3"):
+        httpx.get(server.url + path, timeout=10)  # no key: a 401 or 404, logged all the same
+    wait_until(lambda: "FAKE3" in server.log_tail(200_000), timeout=10, what="the lines logged")
+    lines = server.log_tail(200_000).splitlines()
+    assert not [line for line in lines if line.startswith("FAKE")]
+    assert any("/v1/models\\x0aFAKE LINE" in line for line in lines)

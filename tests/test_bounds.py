@@ -17,11 +17,14 @@ import pytest
 
 from tandem.server.api.errors import APIError
 from tandem.server.api.generation import _await_compile
+from tandem.server.engine import LLMEngine, SamplingParams
+from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.grammar_limits import GrammarError, check_size
 from tandem.server.engine.structured import GrammarCache, GrammarSpec
 from tandem.server.logsafe import EscapeControls, escape_controls
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
+from .test_engine_api import drain
 from .test_proxy_helpers import ProxyProcess, stop_all
 
 pytestmark = pytest.mark.timeout(300)
@@ -179,3 +182,42 @@ def test_an_encoded_newline_in_the_path_forges_no_log_line(plane, which: int) ->
     lines = server.log_tail(200_000).splitlines()
     assert not [line for line in lines if line.startswith("FAKE")]
     assert any("/v1/models\\x0aFAKE LINE" in line for line in lines)
+
+
+# ----- B: sessions capped per key ----------------------------------------------------------------
+def _session_engine(llama_dir: Path, per_key: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(llama_dir),
+            kv_cache_tokens=64 * 16,
+            max_model_len=256,
+            max_num_seqs=8,
+            session_kv_fraction=1.0,
+            max_sessions_per_key=per_key,
+        )
+    )
+
+
+def _turn(engine: LLMEngine, session: str, i: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request(f"r{i}", [7 + i] + list(range(100, 130)), params, session_id=session)
+    drain(engine)
+
+
+def test_one_key_evicts_only_its_own_sessions(llama_dir: Path) -> None:
+    """Key B keeps its session while key A opens session after session, past its own cap and
+    past the store's: A's oldest go, B's stays with its blocks."""
+    engine = _session_engine(llama_dir, per_key=3)
+    engine.sessions.max_sessions = 5
+    _turn(engine, "keyB:chat", 0)
+    b_blocks = list(engine.sessions._sessions["keyB:chat"].block_ids)
+    for i in range(1, 9):
+        _turn(engine, f"keyA:s{i}", i)
+    names = list(engine.sessions._sessions)
+    assert "keyB:chat" in names and engine.sessions._sessions["keyB:chat"].block_ids == b_blocks
+    assert [n for n in names if n.startswith("keyA:")] == ["keyA:s6", "keyA:s7", "keyA:s8"]
+    for i, key in enumerate(("keyC", "keyD", "keyE"), start=20):  # the store fills up
+        _turn(engine, f"{key}:x", i)
+    assert len(engine.sessions) <= 5 and "keyB:chat" in engine.sessions  # A (largest) gave
+    engine.sessions.expire(0.0)
+    engine.kv.pool.check_all_free()

@@ -30,6 +30,7 @@ from .test_proxy_helpers import ProxyProcess, stop_all
 pytestmark = pytest.mark.timeout(300)
 
 KEY_A, KEY_B = "sk-bounds-a", "sk-bounds-b"
+INTERNAL = "sk-bounds-internal"
 
 
 def _properties(n: int) -> dict:
@@ -99,7 +100,7 @@ def plane(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("bounds")
     keys = logs / "keys"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n")
-    internal = {"TANDEM_INTERNAL_API_KEY": "sk-bounds-internal"}
+    internal = {"TANDEM_INTERNAL_API_KEY": INTERNAL}
     server = ServerProcess(
         str(llama_dir),
         *ENGINE_FLAGS,
@@ -107,6 +108,8 @@ def plane(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         str(keys),
         "--log-level",
         "info",
+        "--kv-lease-seconds",
+        "2",
         api_key=KEY_A,
         env=internal,
         log_path=logs / "engine.log",
@@ -221,3 +224,38 @@ def test_one_key_evicts_only_its_own_sessions(llama_dir: Path) -> None:
     assert len(engine.sessions) <= 5 and "keyB:chat" in engine.sessions  # A (largest) gave
     engine.sessions.expire(0.0)
     engine.kv.pool.check_all_free()
+
+
+# ----- D: an expired lease is reclaimed without traffic ------------------------------------------
+def test_an_expired_lease_is_reclaimed_on_an_idle_engine(engine: ServerProcess) -> None:
+    """A prefill whose decode engine never pulls: with no request after it, /health shows
+    every block free once the lease (2 s here) has expired; a generous bound, no race."""
+    engine.wait_idle(timeout=30)
+    r = httpx.post(
+        engine.url + "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "a prompt long enough to fill some blocks " * 4,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+        headers={"Authorization": f"Bearer {INTERNAL}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text[:300]
+    pool = engine.health()["block_pool"]
+    assert pool["free_blocks"] < pool["total_blocks"]  # held by the lease
+    engine.wait_idle(timeout=15)
+
+
+def test_the_idle_loop_wakes_at_the_next_lease_expiry() -> None:
+    from tandem.server.engine.block_pool import BlockPool
+    from tandem.server.engine.leases import LeaseStore
+
+    leases = LeaseStore(BlockPool(8, None), ttl_seconds=0.3)
+    assert leases.next_expiry() is None
+    before = time.monotonic()
+    leases.grant([])
+    expiry = leases.next_expiry()
+    assert expiry is not None and before + 0.3 <= expiry <= time.monotonic() + 0.3
+    assert leases.sweep(now=expiry) == 1 and leases.next_expiry() is None

@@ -259,3 +259,33 @@ def test_the_idle_loop_wakes_at_the_next_lease_expiry() -> None:
     expiry = leases.next_expiry()
     assert expiry is not None and before + 0.3 <= expiry <= time.monotonic() + 0.3
     assert leases.sweep(now=expiry) == 1 and leases.next_expiry() is None
+
+
+# ----- E: the OpenAPI document says what validation does ----------------------------------------
+def _schema(doc: dict, name: str) -> dict:
+    return doc["components"]["schemas"][name]
+
+
+def test_the_openapi_ranges_are_the_ones_validation_applies(plane) -> None:
+    engine, proxy = plane
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    doc = httpx.get(engine.url + "/openapi.json", headers=auth, timeout=10).json()
+    top_p = _schema(doc, "CompletionRequest")["properties"]["top_p"]["anyOf"][0]
+    assert top_p["exclusiveMinimum"] == 0 and top_p["maximum"] == 1
+    assert _schema(doc, "GenerateRequest")["properties"]["input_ids"]["anyOf"][0]["minItems"] == 1
+    assert _schema(doc, "CompletionRequest")["additionalProperties"] is True  # ignored, logged
+    r = _completion(engine, top_p=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    pdoc = httpx.get(proxy.url + "/openapi.json", headers=proxy.headers, timeout=10).json()
+    for path in ("/tokenize", "/generate", "/v1/embeddings", "/nodes/add", "/abort_request"):
+        assert "requestBody" in pdoc["paths"][path]["post"], path
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["engine", "proxy"])
+def test_an_unsupported_method_on_an_admin_route_is_a_405_before_auth(plane, which) -> None:
+    server = plane[which]
+    path = "/pause" if which == 0 else "/nodes/add"
+    for headers in ({}, {"Authorization": f"Bearer {KEY_A}"}):
+        r = httpx.request("TRACE", server.url + path, headers=headers, timeout=10)
+        assert r.status_code == 405 and "POST" in r.headers["allow"], r.text
+    assert httpx.post(server.url + path, timeout=10).status_code == 401  # the method it has

@@ -4,8 +4,11 @@ Types are strict (``"5"`` is not an integer, ``1`` is not a boolean), so a wrong
 400 rather than a silent coercion. Unknown fields are accepted and ignored: the OpenAI SDK
 and LangChain send fields a given server does not know (``user``, ``store``,
 ``parallel_tool_calls``, ``service_tier`` ...), and refusing them would break those clients.
-The names of ignored fields are logged. Fields we know but cannot honour (image inputs)
-are refused with a 400 that says so, never dropped.
+The names of ignored fields are logged, and the OpenAPI document says so
+(``additionalProperties: true``). Fields we know but cannot honour (image inputs) are
+refused with a 400 that says so, never dropped. The ranges the engine enforces
+(``SamplingParams``) are declared on the fields too, so the document states exactly what is
+accepted (``bench/fuzz.py`` checks both directions).
 """
 
 from __future__ import annotations

@@ -82,11 +82,12 @@ class GrammarCache:
         self._executor.submit(self._get_compiler)  # the tokenizer's vocabulary, read ahead
 
     def acquire(self, spec: GrammarSpec) -> Future:
-        """``submit``, counted as one waiter until ``release``: what a client awaits."""
-        fut = self.submit(spec)
+        """``submit``, counted as one waiter until ``release`` (in one step, so another
+        waiter's release cannot cancel the future in between): what a client awaits."""
+        check_size(spec.kind, spec.source)
         with self._lock:
             self._waiters[spec.key] = self._waiters.get(spec.key, 0) + 1
-        return fut
+            return self._submit_locked(spec)
 
     def release(self, spec: GrammarSpec) -> None:
         """One waiter is gone (answered, timed out, disconnected). When none is left and the
@@ -107,15 +108,18 @@ class GrammarCache:
         grammar over the limits raises ``GrammarError`` here, before anything is compiled."""
         check_size(spec.kind, spec.source)
         with self._lock:
-            fut = self._futures.get(spec.key)
-            if fut is None:
-                fut = self._executor.submit(self._compile, spec)
-                self._futures[spec.key] = fut
-                if len(self._futures) > CACHE_SIZE:
-                    self._futures.popitem(last=False)
-            else:
-                self._futures.move_to_end(spec.key)
-            return fut
+            return self._submit_locked(spec)
+
+    def _submit_locked(self, spec: GrammarSpec) -> Future:
+        fut = self._futures.get(spec.key)
+        if fut is None:
+            fut = self._executor.submit(self._compile, spec)
+            self._futures[spec.key] = fut
+            if len(self._futures) > CACHE_SIZE:
+                self._futures.popitem(last=False)
+        else:
+            self._futures.move_to_end(spec.key)
+        return fut
 
     def sequence(self, compiled: Any, spec: GrammarSpec) -> SequenceGrammar:
         import xgrammar as xgr

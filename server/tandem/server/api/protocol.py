@@ -513,12 +513,27 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event as OpenAPI before 3.2 describes an event stream: the schema of each
+# event, its ``data`` a JSON chunk (or ``[DONE]``).
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
     """A generation route's 200: JSON, or with ``stream: true`` a stream of ``media_type``."""
+    schema = SSE_EVENT if media_type == "text/event-stream" else {"type": "string"}
     return {
         200: {
             "description": f"The answer; with ``stream: true``, {what}",
-            "content": {media_type: {"schema": {"type": "string"}}},
+            "content": {media_type: {"schema": schema}},
         }
     }
 

@@ -58,6 +58,7 @@ from tandem.server.api.protocol import (
     SessionId,
     TokenizeRequest,
     UpdateWeightsRequest,
+    streamed,
 )
 
 from .node_address import NodeNetworks
@@ -142,6 +143,17 @@ class ProxyState:
 
 
 _GENERATION_RESPONSES = SSE_RESPONSES | {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
+
+
+def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
+    """What a forwarded route answers: the engine's answers (a stream for ``/generate`` and
+    Ollama's generation routes) and the proxy's own 502/504."""
+    if kind == "generate":
+        return _GENERATION_RESPONSES
+    extra = {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
+    if kind in ("ollama_generate", "ollama_chat"):
+        return ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line") | extra
+    return ERROR_RESPONSES | extra
 
 
 def get_state(request: Request) -> ProxyState:
@@ -272,7 +284,7 @@ def _add_openai_routes(app: FastAPI) -> None:
         # The engine's own request model: the OpenAPI document declares the body the engine
         # takes, and the proxy refuses what the engine would, before routing it.
         route.__annotations__ = {**route.__annotations__, "_": _ROUTED_BODIES[kind]}
-        app.post(path, name=kind, responses=ERROR_RESPONSES)(route)
+        app.post(path, name=kind, responses=_routed_responses(kind))(route)
 
     for kind, path in PATHS.items():
         if kind not in ("chat", "completions"):

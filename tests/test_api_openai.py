@@ -404,7 +404,7 @@ def test_wrong_types_are_400(http: httpx.Client, field: str, value: object) -> N
         ("n", 0, "n"),
         ("temperature", -0.5, "temperature"),
         ("top_p", 0.0, "top_p"),
-        ("top_logprobs", 50, "logprobs"),
+        ("top_logprobs", 50, "top_logprobs"),  # the schema says le 20
         ("logit_bias", {"abc": 1}, "logit_bias"),
         ("logit_bias", {"99999999": 1}, "logit_bias"),
         ("presence_penalty", 5.0, "presence_penalty"),

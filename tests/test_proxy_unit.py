@@ -373,7 +373,13 @@ def test_app_auth_validation_and_no_engines() -> None:
     assert r.status_code == 401
     assert _call(app, "GET", "/health").status_code == 503  # open, and no engine yet
     assert _call(app, "GET", "/metrics").status_code == 200
-    r = _call(app, "POST", "/v1/chat/completions", json={"messages": []}, headers=auth)
+    r = _call(
+        app,
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers=auth,
+    )
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     as_json = {**auth, "Content-Type": "application/json"}
     r = _call(app, "POST", "/v1/completions", content=b"{not json", headers=as_json)

@@ -206,6 +206,11 @@ class EngineSpec(_Model):
         le=1,
         description="Fraction of the KV cache idle sessions may hold; beyond it the least recently used give theirs back",
     )
+    max_sessions_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="Sessions one client key keeps at once; past it that key's own least recently used idle session goes, never another key's",
+    )
     pooling: Literal["last", "mean", "cls"] | None = Field(
         None,
         description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",

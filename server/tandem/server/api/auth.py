@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import APIError, send_error
@@ -231,6 +232,13 @@ class AuthMiddleware:
         if who == "open" or path in OPEN_PATHS or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
+        denied = who is None or (
+            who in ("anonymous", "client")
+            and is_admin_path(path, self.admin_paths, self.admin_prefixes)
+        )
+        if denied and _method_not_allowed(scope):  # the router's 405 with Allow, whoever calls
+            await self.app(scope, receive, send)
+            return
         if who is None:
             message = (
                 "Missing API key: send 'Authorization: Bearer <key>'"
@@ -250,6 +258,21 @@ class AuthMiddleware:
             )
             return
         await self.app(scope, receive, send)
+
+
+def _method_not_allowed(scope: Scope) -> bool:
+    """Whether a route has this path but not this method (``TRACE /pause``): a 405 names
+    the methods a route takes, which its OpenAPI already says, so it need not wait for the
+    credential check; an admin route's 401/403 is kept for the methods it has."""
+    app = scope.get("app")
+    routes = getattr(getattr(app, "router", None), "routes", ())
+    partial = False
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return False
+        partial = partial or match == Match.PARTIAL
+    return partial
 
 
 async def _deny(send: Send, status: int, message: str, code: str) -> None:

@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.server.logsafe import escape_controls
+
 log = logging.getLogger("tandem.http")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -125,8 +127,8 @@ class RequestIdMiddleware:
         finally:
             log.info(
                 "%s %s %d request_id=%s %.1fms",
-                scope["method"],
-                scope["path"],
+                escape_controls(scope["method"]),
+                escape_controls(scope["path"]),
                 status,
                 rid,
                 (time.monotonic() - started) * 1e3,

@@ -355,7 +355,7 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; when idle, wait for one first. False means stop."""
-        timeout = 1.0  # wake up to expire sessions and sweep KV leases even when idle
+        timeout = self._idle_wait()
         try:
             cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
@@ -368,6 +368,15 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop waits for a command: at most 1 s (sessions expire), and no
+        later than the next KV lease's expiry, so an engine nobody calls still frees an
+        unpulled lease's blocks on time (``_expire``), not at its next step."""
+        expiry = self._engine.handoff.leases.next_expiry() if self._engine is not None else None
+        if expiry is None:
+            return 1.0
+        return min(1.0, max(0.0, expiry - time.monotonic()) + 0.01)
 
     def _apply(self, cmd: object) -> None:
         engine = self._engine

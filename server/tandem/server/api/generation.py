@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -214,14 +215,48 @@ class Job:
                 self.abort_unfinished()
 
 
-async def compile_grammar(state: ServerState, spec: GrammarSpec) -> None:
+async def _await_compile(fut: Future, budget_s: float, client: Request | None) -> None:
+    """Wait for a compile, at most ``budget_s``, and only while the client is still there."""
+    waiter = asyncio.wrap_future(fut)
+    deadline = time.monotonic() + budget_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            done, _ = await asyncio.wait({waiter}, timeout=max(0.0, min(left, DISCONNECT_POLL_S)))
+            if done:
+                waiter.result()
+                return
+            if time.monotonic() >= deadline:
+                raise APIError(
+                    400,
+                    f"the grammar did not compile within {budget_s:g} s; make it smaller "
+                    "(docs/structured.md)",
+                    param="response_format",
+                    code="grammar_timeout",
+                )
+            if client is not None and await client.is_disconnected():
+                raise ClientDisconnected()
+    finally:  # never cancelled here: that would cancel the cache's future for every waiter
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, quiet
+
+
+async def compile_grammar(
+    state: ServerState, spec: GrammarSpec, client: Request | None = None
+) -> None:
     """Compile on the engine's grammar thread before adding, so a schema the library refuses
-    is this request's 400 and a slow one waits here, not in the engine's step."""
+    (or one over the limits) is this request's 400 and a slow one waits here, not in the
+    engine's step: at most the cache's budget, and not after its client has left."""
     grammars = await state.engine.call(lambda e: e.grammars)
     try:
-        await asyncio.wrap_future(grammars.submit(spec))
+        fut = grammars.acquire(spec)
     except GrammarError as exc:
-        raise APIError(400, str(exc), param="response_format", code="invalid_schema") from exc
+        raise APIError(400, str(exc), param="response_format", code=exc.code) from exc
+    try:
+        await _await_compile(fut, grammars.budget_s, client)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param="response_format", code=exc.code) from exc
+    finally:
+        grammars.release(spec)
 
 
 async def submit(
@@ -236,11 +271,13 @@ async def submit(
     pooling: PoolingParams | None = None,
     tenant: str | None = None,
     cache_salt: str | None = None,
+    client: Request | None = None,
 ) -> Job:
     """Add one engine request per prompt; if any is refused, abort the ones already added.
     With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``).
     ``tenant`` (``mapping.request_tenant``) and ``cache_salt`` name the prefix-cache partition
-    its blocks are shared in, so one key never hits (or learns of) another's prompts."""
+    its blocks are shared in, so one key never hits (or learns of) another's prompts.
+    ``client``, when given, is watched while its grammar compiles (it may leave)."""
     state.check_admitting()
     if kv_transfer and len(prompts) != 1:
         raise APIError(
@@ -250,7 +287,7 @@ async def submit(
             code="invalid_value",
         )
     if params.structured is not None:
-        await compile_grammar(state, params.structured)
+        await compile_grammar(state, params.structured, client)
     arrival = time.monotonic()
     sink: asyncio.Queue = asyncio.Queue()
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]

@@ -94,6 +94,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         stream=bool(body.stream),
         session_id=mapping.session_key(body.session_id, mapping.request_owner(request)),
         tenant=mapping.request_tenant(request),
+        client=request,
     )
     want = bool(body.return_logprob)
     if body.stream:
@@ -286,7 +287,13 @@ async def _ollama_run(
     rid = new_id(prefix, request)
     started = time.monotonic_ns()
     job = await submit(
-        state, rid, [prompt], params, stream=stream, tenant=mapping.request_tenant(request)
+        state,
+        rid,
+        [prompt],
+        params,
+        stream=stream,
+        tenant=mapping.request_tenant(request),
+        client=request,
     )
     if stream:
         return StreamingResponse(

@@ -167,6 +167,7 @@ async def _submit(
         kv_transfer=body.kv_transfer_params,
         tenant=mapping.request_tenant(request),
         cache_salt=body.cache_salt,
+        client=request,
     )
     return job, int(time.time())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -147,6 +147,9 @@ async def is_sleeping(request: Request) -> dict[str, bool]:
     return {"is_sleeping": get_state(request).engine.stats.is_sleeping}
 
 
+SleepTag = Literal["weights", "kv_cache"]  # vLLM's and LMDeploy's; both mean the whole engine
+
+
 @router.post("/sleep", responses=ERROR_RESPONSES | {409: {"model": ErrorResponse}})
 async def sleep(
     request: Request,
@@ -157,7 +160,7 @@ async def sleep(
         description="1: free the KV cache "
         "(weights parked in host memory on a GPU); 2: also drop the weights (reloaded on wake-up)",
     ),
-    tags: list[str] | None = Query(None, description="accepted for LMDeploy compatibility"),
+    tags: list[SleepTag] | None = Query(None, description="accepted for LMDeploy compatibility"),
 ) -> Any:
     """Release the engine's memory; requests get 503 until ``/wakeup``. 409 while requests run."""
     state = get_state(request)
@@ -173,7 +176,7 @@ async def sleep(
 
 
 @router.post("/wakeup", responses=ERROR_RESPONSES)
-async def wakeup(request: Request, tags: list[str] | None = Query(None)) -> Any:
+async def wakeup(request: Request, tags: list[SleepTag] | None = Query(None)) -> Any:
     """Restore the KV cache and weights released by ``/sleep``."""
     state = get_state(request)
     if state.engine.state != "ready":

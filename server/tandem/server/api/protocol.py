@@ -4,8 +4,11 @@ Types are strict (``"5"`` is not an integer, ``1`` is not a boolean), so a wrong
 400 rather than a silent coercion. Unknown fields are accepted and ignored: the OpenAI SDK
 and LangChain send fields a given server does not know (``user``, ``store``,
 ``parallel_tool_calls``, ``service_tier`` ...), and refusing them would break those clients.
-The names of ignored fields are logged. Fields we know but cannot honour (image inputs)
-are refused with a 400 that says so, never dropped.
+The names of ignored fields are logged, and the OpenAPI document says so
+(``additionalProperties: true``). Fields we know but cannot honour (image inputs) are
+refused with a 400 that says so, never dropped. The ranges the engine enforces
+(``SamplingParams``) are declared on the fields too, so the document states exactly what is
+accepted (``bench/fuzz.py`` checks both directions).
 """
 
 from __future__ import annotations
@@ -24,14 +27,28 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOOLS = 128
 MAX_TOKEN_IDS = 1_000_000
 MAX_INPUTS = 2048  # inputs in one embeddings request, as OpenAI's API allows
+MAX_LOGPROBS = 20  # SamplingParams's (the proxy imports this module, never the engine)
 
 Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)]
 Temperature = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=100.0)]
-StopString = Annotated[str, Field(max_length=MAX_STOP_LEN)]
+# The ranges SamplingParams enforces, declared here too, so the OpenAPI document says exactly
+# what is accepted (schemathesis's positive/negative data checks hold the two together).
+TopP = Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(allow_inf_nan=False, ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1e6)]
+TopK = Annotated[int, Field(ge=-1, lt=2**31, description="0 or -1 turns top-k off")]
+MaxTokens = Annotated[int, Field(ge=1, lt=2**31)]
+MinTokens = Annotated[int, Field(ge=0, lt=2**31)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Bias = Annotated[float, Field(allow_inf_nan=False, ge=-100.0, le=100.0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)]
 # A token id is a vocabulary index: huge ints overflowed the tokenizer's C long (a 500).
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+Text = Annotated[str, Field(min_length=1)]  # a prompt or an input: an empty one is refused
 SessionId = (
     Annotated[str, Field(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")] | int
 )  # printable: it becomes a URL path segment at the proxy
@@ -96,20 +113,22 @@ class SamplingFields(APIModel):
 
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     temperature: Temperature | None = None
-    top_p: Finite | None = None
-    top_k: int | None = None
-    min_p: Finite | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: int | None = None
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
-    presence_penalty: Finite | None = 0.0
-    frequency_penalty: Finite | None = 0.0
-    repetition_penalty: Finite | None = None
-    logit_bias: Annotated[dict[str, Finite], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    min_tokens: int | None = None
-    min_new_tokens: int | None = Field(default=None, description="LMDeploy's name for min_tokens")
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    min_tokens: MinTokens | None = None
+    min_new_tokens: MinTokens | None = Field(
+        default=None, description="LMDeploy's name for min_tokens"
+    )
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
@@ -145,12 +164,12 @@ class SamplingFields(APIModel):
 
 # ----- OpenAI chat and completions ----------------------------------------------------------
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | str = Field(
-        description="The conversation; a string is taken as one user message (LMDeploy)"
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | Text = (
+        Field(description="The conversation; a string is taken as one user message (LMDeploy)")
     )
     model: str | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
     do_preprocess: bool | None = True
@@ -164,15 +183,17 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: (
-        str
-        | Annotated[list[str], Field(max_length=MAX_N)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(max_length=MAX_N)]
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_N)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_N)]
     )
     model: str | None = None
     echo: bool | None = False
-    suffix: str | None = None
-    logprobs: int | None = None
+    suffix: (
+        Annotated[str, Field(max_length=0, description="not supported: empty or null")] | None
+    ) = None
+    logprobs: LogprobCount | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
@@ -181,23 +202,28 @@ class GenerateRequest(APIModel):
     """LMDeploy's ``POST /generate``: a raw prompt or token ids, no chat template."""
 
     model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]}
+        json_schema_extra={  # exactly one of the two, not null (a null one is not given)
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+            ]
+        }
     )
 
-    prompt: str | None = None
-    input_ids: TokenIds | None = None
+    prompt: Text | None = None
+    input_ids: PromptIds | None = None
     session_id: SessionId | None = -1
     stream: bool | None = False
-    max_tokens: int = 128
+    max_tokens: MaxTokens = 128
     temperature: Temperature = 1.0
-    top_p: Finite = 1.0
-    top_k: int = Field(default=0, description="0 or -1 turns top-k off")
-    min_p: Finite = 0.0
-    min_tokens: int | None = None
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    min_tokens: MinTokens | None = None
     seed: int | None = None
-    repetition_penalty: Finite | None = 1.0
-    presence_penalty: Finite | None = 0.0
-    frequency_penalty: Finite | None = 0.0
+    repetition_penalty: RepetitionPenalty | None = 1.0
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
@@ -238,15 +264,15 @@ class OllamaOptions(APIModel):
     runner options (``num_ctx``, ``num_gpu`` ...) mean nothing here and are ignored."""
 
     temperature: Temperature | None = None
-    top_p: Finite | None = None
-    top_k: int | None = None
-    min_p: Finite | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     seed: int | None = None
     num_predict: int | None = None
     stop: Stop | None = None
-    repeat_penalty: Finite | None = None
-    presence_penalty: Finite | None = None
-    frequency_penalty: Finite | None = None
+    repeat_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
 
 
 class OllamaGenerateRequest(APIModel):
@@ -288,7 +314,9 @@ class TokenizeRequest(APIModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -304,16 +332,16 @@ class EmbeddingRequest(APIModel):
     """One vector per input from the served model's final hidden states (docs/pooling.md)."""
 
     input: (
-        str
-        | Annotated[list[str], Field(max_length=MAX_INPUTS)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(max_length=MAX_INPUTS)]
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_INPUTS)]
     ) = Field(description="A text, texts, token ids, or lists of token ids; none empty")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = Field(
         default="float", description="base64: little-endian float32 bytes"
     )
-    dimensions: int | None = Field(
+    dimensions: Annotated[int, Field(ge=1)] | None = Field(
         default=None,
         description="Truncate to this many dimensions (Matryoshka models only; the hidden "
         "size always works), then normalise",
@@ -485,12 +513,27 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event as OpenAPI before 3.2 describes an event stream: the schema of each
+# event, its ``data`` a JSON chunk (or ``[DONE]``).
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def streamed(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
     """A generation route's 200: JSON, or with ``stream: true`` a stream of ``media_type``."""
+    schema = SSE_EVENT if media_type == "text/event-stream" else {"type": "string"}
     return {
         200: {
             "description": f"The answer; with ``stream: true``, {what}",
-            "content": {media_type: {"schema": {"type": "string"}}},
+            "content": {media_type: {"schema": schema}},
         }
     }
 

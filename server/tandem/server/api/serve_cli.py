@@ -121,12 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from tandem.server.engine.default_model import resolve_model
     from tandem.server.engine.models.config import ModelConfig, ModelLoadError
     from tandem.server.engine.tokenizer import load_tokenizer
+    from tandem.server.logsafe import configure_logging
 
     from .app import build_app
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         model_dir, default_name = resolve_model(args.model)
         config = engine_config_from_args(args, model_dir)  # validates flags before loading

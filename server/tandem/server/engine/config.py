@@ -48,6 +48,9 @@ class EngineConfig:
     # Sessions are a cache: idle sessions together hold at most this fraction of the pool, and
     # give their blocks back (least recently used first) whenever a request needs them.
     session_kv_fraction: float = 0.5
+    # Sessions one client key keeps at once (of the store's 4096): past it the key's own least
+    # recently used idle session goes, never another key's (sessions.py).
+    max_sessions_per_key: int = 1024
     # Embeddings and /pooling: the hidden state of the last token (a decoder LM's default, as
     # vLLM's), the mean over the prompt, or the first token's (CLS); see pooling.py.
     pooling: PoolingKind = "last"
@@ -74,6 +77,7 @@ class EngineConfig:
             0.0 <= self.session_kv_fraction <= 1.0,
             f"session_kv_fraction must be in [0, 1], got {self.session_kv_fraction}",
         )
+        _check(self.max_sessions_per_key >= 1, "max_sessions_per_key must be >= 1")
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"unknown dtype {self.dtype!r}",

@@ -54,6 +54,12 @@ class LeaseStore:
             self._release_asked.add(lease_id)
             return True
 
+    def next_expiry(self) -> float | None:
+        """When the soonest lease expires (``time.monotonic``), None without leases: the
+        server loop's idle wait ends then, so an idle engine frees the blocks on time."""
+        with self._lock:
+            return min((lease.expires_at for lease in self._leases.values()), default=None)
+
     def sweep(self, now: float | None = None) -> int:
         """Engine thread: free released and expired leases; returns how many ended."""
         now = time.monotonic() if now is None else now

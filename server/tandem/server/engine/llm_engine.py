@@ -49,7 +49,11 @@ class LLMEngine:
         self.tokenizer, self.eos_token_ids = self.inputs.tokenizer, self.inputs.eos_token_ids
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sessions = SessionStore(self.kv, int(config.session_kv_fraction * num_blocks))
+        self.sessions = SessionStore(
+            self.kv,
+            int(config.session_kv_fraction * num_blocks),
+            max_per_key=config.max_sessions_per_key,
+        )
         self.kv.reclaim = self.sessions.reclaim
         layout = KVLayout.of(self.model_config, config.block_size, self.worker.runner.dtype)
         self.handoff = KVHandoff(config, self.kv, self.scheduler, layout)

@@ -9,9 +9,13 @@ and ``reclaim`` takes blocks back from the least recently used idle sessions whe
 request finds the pool short. A session that lost its blocks stays a session; its next
 turn recomputes (or finds its blocks still in the prefix cache).
 
-The sessions themselves are bounded too: beyond ``max_sessions`` the least recently used idle
-one is forgotten as if it had expired, so a client opening a new session per request cannot
-grow the store for a whole TTL.
+The sessions themselves are bounded too, per key and in all: a key (the ``owner:`` prefix the
+API scopes every id with, ``mapping.session_key``) past ``max_per_key`` forgets its own least
+recently used idle session, and a store past ``max_sessions`` forgets one of the key that
+opened the new session if it has any idle, else one of the key holding the most. So a client
+opening a session per request cannot grow the store for a whole TTL, nor push another key's
+sessions out; when idle sessions hold more than ``max_blocks``, the key that just finished a
+turn gives its own sessions' blocks back first.
 """
 
 from __future__ import annotations
@@ -26,13 +30,22 @@ from .prefix_cache import chain_hashes
 from .request import Request
 from .sampling_params import InvalidParamError
 
-# Conversations an engine (and the API's chat histories) remember at once.
+# Conversations an engine (and the API's chat histories) remember at once; one key's share.
 MAX_SESSIONS = 4096
+MAX_SESSIONS_PER_KEY = 1024
+
+
+def session_owner(session_id: str) -> str:
+    """The key a session belongs to: the ``owner:`` prefix of a scoped id, "" for unscoped
+    ids (no credential configured: one tenant)."""
+    owner, sep, _ = session_id.partition(":")
+    return owner if sep else ""
 
 
 @dataclass
 class Session:
     session_id: str
+    owner: str = ""
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the blocks hold
     block_ids: list[int] = field(default_factory=list)
     busy: bool = False
@@ -41,13 +54,19 @@ class Session:
 
 class SessionStore:
     def __init__(
-        self, kv: KVCacheManager, max_blocks: int, max_sessions: int = MAX_SESSIONS
+        self,
+        kv: KVCacheManager,
+        max_blocks: int,
+        max_sessions: int = MAX_SESSIONS,
+        max_per_key: int = MAX_SESSIONS_PER_KEY,
     ) -> None:
         self.kv = kv
         self.max_blocks = max_blocks
         self.max_sessions = max_sessions
+        self.max_per_key = max_per_key
         self.held_blocks = 0  # blocks idle sessions hold
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._per_owner: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -57,9 +76,7 @@ class SessionStore:
 
     def attach(self, session_id: str, req: Request) -> None:
         """Give ``req`` the session's blocks for the prefix it shares; free the rest."""
-        if session_id not in self._sessions:
-            self._forget_idle(len(self._sessions) + 1 - self.max_sessions)
-        s = self._sessions.setdefault(session_id, Session(session_id))
+        s = self._sessions.get(session_id) or self._open(session_id)
         self._sessions.move_to_end(session_id)
         s.busy = True
         s.last_used = time.monotonic()
@@ -93,27 +110,52 @@ class SessionStore:
             req.block_ids, req.block_hashes = [], []
         else:
             self.kv.free(req)  # an aborted turn: the session's history went with it
-            del self._sessions[session_id]
+            self._remove(session_id)
             return
         s.busy = False
         s.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
         self.held_blocks += len(s.block_ids)
         if self.held_blocks > self.max_blocks:
-            self._evict(lambda: self.held_blocks <= self.max_blocks)
+            self._evict(lambda: self.held_blocks <= self.max_blocks, first=s.owner)
 
-    def _forget_idle(self, count: int) -> None:
-        """Forget the ``count`` least recently used idle sessions (blocks and all)."""
-        oldest = [sid for sid, s in self._sessions.items() if not s.busy][: max(count, 0)]
-        for sid in oldest:
-            self.delete(sid)
+    def _open(self, session_id: str) -> Session:
+        """A new session, room made for it first: its key's own oldest idle one goes at the
+        key's cap; at the store's cap, that key's again if it has one idle, else the oldest
+        idle one of the key holding the most. Never another key's while this one has any."""
+        owner = session_owner(session_id)
+        if self._per_owner.get(owner, 0) >= self.max_per_key:
+            self._forget_idle(owner)
+        if len(self._sessions) >= self.max_sessions and not self._forget_idle(owner):
+            self._forget_idle(self._largest_owner())
+        s = self._sessions[session_id] = Session(session_id, owner)
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        return s
+
+    def _largest_owner(self) -> str:
+        idle = {s.owner for s in self._sessions.values() if not s.busy}
+        return max(idle, key=lambda o: self._per_owner[o], default="")
+
+    def _forget_idle(self, owner: str) -> bool:
+        """Forget ``owner``'s least recently used idle session (blocks and all), if any."""
+        sid = next((k for k, s in self._sessions.items() if s.owner == owner and not s.busy), None)
+        return sid is not None and self.delete(sid)
+
+    def _remove(self, session_id: str) -> None:
+        owner = self._sessions.pop(session_id).owner
+        self._per_owner[owner] -= 1
+        if not self._per_owner[owner]:
+            del self._per_owner[owner]
 
     def reclaim(self, num_blocks: int) -> None:
         """Give blocks back until the pool has ``num_blocks`` free (or no idle session has any)."""
         self._evict(lambda: self.kv.pool.num_free >= num_blocks)
 
-    def _evict(self, enough: Callable[[], bool]) -> None:
-        for s in list(self._sessions.values()):
+    def _evict(self, enough: Callable[[], bool], first: str | None = None) -> None:
+        """Drop idle sessions' blocks, least recently used first (``first``'s sessions before
+        any other key's), until ``enough``."""
+        order = sorted(self._sessions.values(), key=lambda s: s.owner != first)  # stable
+        for s in order:
             if enough():
                 return
             if not s.busy and s.block_ids:
@@ -143,7 +185,7 @@ class SessionStore:
             return False
         if s.block_ids:
             self._drop_blocks(s)
-        del self._sessions[session_id]
+        self._remove(session_id)
         return True
 
     def expire(self, idle_seconds: float) -> int:

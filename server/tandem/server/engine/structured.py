@@ -22,14 +22,11 @@ from typing import Any, Literal
 
 import torch
 
-from .sampling_params import InvalidParamError
+from .grammar_limits import COMPILE_BUDGET_S, GrammarError, check_size
 
 GrammarKind = Literal["json", "json_schema", "regex", "choice", "grammar"]
 CACHE_SIZE = 256  # compiled grammars kept (least recently asked for dropped first)
-
-
-class GrammarError(InvalidParamError):
-    """The grammar library cannot compile what the request asked for: the API's 400."""
+__all__ = ["GrammarError", "GrammarSpec", "GrammarCache", "SequenceGrammar"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,13 @@ class SequenceGrammar:
 
 
 class GrammarCache:
-    """Compiles grammars on one worker thread; a source compiled once is reused by every request."""
+    """Compiles grammars on one worker thread; a source compiled once is reused by every request.
+
+    A grammar over ``grammar_limits`` is refused before it is queued. A request waits at most
+    ``budget_s`` for its compile (``generation.compile_grammar``); xgrammar cannot stop a
+    compile that runs, so one nobody waits for any more is cancelled if it has not started
+    (``release``) and otherwise runs out on this thread, its result kept for the next asker:
+    the engine thread never waits on it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._tokenizer = tokenizer
@@ -73,21 +76,50 @@ class GrammarCache:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
         self._lock = threading.Lock()
         self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._waiters: dict[tuple[str, str], int] = {}
         self._compiler: Any = None
+        self.budget_s = COMPILE_BUDGET_S
         self._executor.submit(self._get_compiler)  # the tokenizer's vocabulary, read ahead
 
-    def submit(self, spec: GrammarSpec) -> Future:
-        """The compiled grammar's future (shared by every request with the same source)."""
+    def acquire(self, spec: GrammarSpec) -> Future:
+        """``submit``, counted as one waiter until ``release`` (in one step, so another
+        waiter's release cannot cancel the future in between): what a client awaits."""
+        check_size(spec.kind, spec.source)
         with self._lock:
+            self._waiters[spec.key] = self._waiters.get(spec.key, 0) + 1
+            return self._submit_locked(spec)
+
+    def release(self, spec: GrammarSpec) -> None:
+        """One waiter is gone (answered, timed out, disconnected). When none is left and the
+        compile has not started, it is cancelled and forgotten, so a client that leaves frees
+        the compile thread for the others."""
+        with self._lock:
+            left = self._waiters.get(spec.key, 1) - 1
+            if left > 0:
+                self._waiters[spec.key] = left
+                return
+            self._waiters.pop(spec.key, None)
             fut = self._futures.get(spec.key)
-            if fut is None:
-                fut = self._executor.submit(self._compile, spec)
-                self._futures[spec.key] = fut
-                if len(self._futures) > CACHE_SIZE:
-                    self._futures.popitem(last=False)
-            else:
-                self._futures.move_to_end(spec.key)
-            return fut
+            if fut is not None and fut.cancel():
+                del self._futures[spec.key]
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        """The compiled grammar's future (shared by every request with the same source); a
+        grammar over the limits raises ``GrammarError`` here, before anything is compiled."""
+        check_size(spec.kind, spec.source)
+        with self._lock:
+            return self._submit_locked(spec)
+
+    def _submit_locked(self, spec: GrammarSpec) -> Future:
+        fut = self._futures.get(spec.key)
+        if fut is None:
+            fut = self._executor.submit(self._compile, spec)
+            self._futures[spec.key] = fut
+            if len(self._futures) > CACHE_SIZE:
+                self._futures.popitem(last=False)
+        else:
+            self._futures.move_to_end(spec.key)
+        return fut
 
     def sequence(self, compiled: Any, spec: GrammarSpec) -> SequenceGrammar:
         import xgrammar as xgr

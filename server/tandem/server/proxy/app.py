@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
+from pydantic import BaseModel, Field
 
 from tandem.server.api.auth import (
     PROXY_ADMIN_PATHS,
@@ -42,10 +43,22 @@ from tandem.server.api.protocol import (
     ERROR_RESPONSES,
     METRICS_RESPONSES,
     SSE_RESPONSES,
+    AbortRequest,
+    APIModel,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    EncodeRequest,
+    GenerateRequest,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+    PoolingRequest,
     SessionId,
+    TokenizeRequest,
     UpdateWeightsRequest,
+    streamed,
 )
 
 from .node_address import NodeNetworks
@@ -62,6 +75,35 @@ from .registry import (
 )
 
 log = logging.getLogger("tandem.proxy")
+
+
+class NodeStatusBody(APIModel):
+    """LMDeploy's ``status`` of a node: its role and the models it serves (more is kept)."""
+
+    role: str | int | None = None  # a name, or LMDeploy's number
+    models: list[str] | None = None
+
+
+class NodeBody(APIModel):
+    """``/nodes/add``, ``/nodes/remove``, ``/nodes/terminate``: LMDeploy's node request."""
+
+    url: Annotated[str, Field(min_length=1, max_length=2048)]  # "host:port" means http://
+    status: NodeStatusBody | None = None
+    models: list[str] | None = None
+
+
+# The body of each route the proxy forwards as is: the engine's model for it.
+_ROUTED_BODIES: dict[str, type[BaseModel]] = {
+    "generate": GenerateRequest,
+    "ollama_generate": OllamaGenerateRequest,
+    "ollama_chat": OllamaChatRequest,
+    "ollama_show": OllamaShowRequest,
+    "embeddings": EmbeddingRequest,
+    "pooling": PoolingRequest,
+    "encode": EncodeRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+}
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,6 +146,17 @@ class ProxyState:
 
 
 _GENERATION_RESPONSES = SSE_RESPONSES | {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
+
+
+def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
+    """What a forwarded route answers: the engine's answers (a stream for ``/generate`` and
+    Ollama's generation routes) and the proxy's own 502/504."""
+    if kind == "generate":
+        return _GENERATION_RESPONSES
+    extra = {502: ERROR_RESPONSES[503], 504: ERROR_RESPONSES[503]}
+    if kind in ("ollama_generate", "ollama_chat"):
+        return ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line") | extra
+    return ERROR_RESPONSES | extra
 
 
 def get_state(request: Request) -> ProxyState:
@@ -228,19 +281,22 @@ def _add_openai_routes(app: FastAPI) -> None:
         return await get_state(request).flow.handle("completions", body, request)
 
     def routed(path: str, kind: str) -> None:
-        async def route(request: Request) -> Response:
+        async def route(_: BaseModel, request: Request) -> Response:
             body = _client_body(_json_body(request), request)
             return await get_state(request).flow.handle(kind, body, request)
 
         route.__doc__ = f"Routed to an engine serving the model (``{path}`` there)."
-        app.post(path, name=kind)(route)
+        # The engine's own request model: the OpenAPI document declares the body the engine
+        # takes, and the proxy refuses what the engine would, before routing it.
+        route.__annotations__ = {**route.__annotations__, "_": _ROUTED_BODIES[kind]}
+        app.post(path, name=kind, responses=_routed_responses(kind))(route)
 
     for kind, path in PATHS.items():
         if kind not in ("chat", "completions"):
             routed(path, kind)
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> JSONResponse:
+    @app.post("/abort_request", responses=ERROR_RESPONSES)
+    async def abort_request(_: AbortRequest, request: Request) -> JSONResponse:
         """LMDeploy's abort: a session's requests on the engine holding the session (every
         decode engine if the proxy does not know it), or ``abort_all`` on every engine."""
         state = get_state(request)
@@ -426,8 +482,8 @@ def _add_node_routes(app: FastAPI) -> None:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value", param="url") from exc
 
-    @app.post("/nodes/add")
-    async def add_node(request: Request) -> dict[str, Any]:
+    @app.post("/nodes/add", responses=ERROR_RESPONSES)
+    async def add_node(_: NodeBody, request: Request) -> dict[str, Any]:
         """Add (or update) an engine; it takes requests once its ``/health`` answers 200."""
         state = get_state(request)
         body = _json_body(request)
@@ -448,8 +504,8 @@ def _add_node_routes(app: FastAPI) -> None:
             "healthy": node.healthy,
         }
 
-    @app.post("/nodes/remove")
-    async def remove_node(request: Request) -> dict[str, Any]:
+    @app.post("/nodes/remove", responses=ERROR_RESPONSES)
+    async def remove_node(_: NodeBody, request: Request) -> dict[str, Any]:
         state = get_state(request)
         url, _, _ = node_fields({"status": {}, **(_json_body(request))})
         node = state.registry.remove(url)
@@ -481,8 +537,8 @@ def _add_node_routes(app: FastAPI) -> None:
             ok, detail = False, UNREACHABLE
         return {"url": url, "was_registered": True, "terminated": ok, "detail": detail}
 
-    @app.post("/nodes/terminate")
-    async def terminate_node(request: Request) -> dict[str, Any]:
+    @app.post("/nodes/terminate", responses=ERROR_RESPONSES)
+    async def terminate_node(_: NodeBody, request: Request) -> dict[str, Any]:
         """Stop one engine (its ``/terminate``: drain, then exit) and drop it."""
         state = get_state(request)
         url, _, _ = node_fields({"status": {}, **(_json_body(request))})

@@ -126,12 +126,12 @@ def _namespace(given: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tandem.server.logsafe import configure_logging
+
     from .app import ProxySettings, build_app
     from .discovery import kubernetes_discovery, parse_node_flag
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         nodes = [parse_node_flag(v) for v in args.node]
         networks = NodeNetworks(parse_networks(args.allow_node_networks))

@@ -20,7 +20,7 @@ import yaml
 from tandem.server import local
 
 from .api_helpers import wait_until
-from .up_helpers import start_up
+from .up_helpers import start_up, stop_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -248,10 +248,4 @@ def test_tandem_up_restarts_a_stopped_engine(tmp_path: Path, llama_dir: Path) ->
         )
         assert r.status_code == 200, r.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            reader.join(10)
+        stop_up(proc, reader)

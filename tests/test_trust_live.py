@@ -32,6 +32,7 @@ from tandem.server.engine.models.config import ModelConfig
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
 from .test_proxy_helpers import ProxyProcess, stop_all
+from .up_helpers import stop_up
 
 INTERNAL, ADMIN, CLIENT = "sk-internal-live", "sk-admin-live", "sk-client-live"
 MODEL = "tiny"
@@ -289,10 +290,4 @@ def test_findings_3_5_6_tandem_up(tmp_path: Path, llama_dir: Path) -> None:
         r = _completion(base, bearer(CLIENT), model=served)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            reader.join(10)
+        stop_up(proc, reader)

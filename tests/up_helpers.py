@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -35,3 +37,15 @@ def start_up(
     proc.kill()
     proc.wait(30)
     raise AssertionError("tandem up printed no base URL:\n" + "".join(lines))
+
+
+def stop_up(proc: subprocess.Popen, reader: threading.Thread) -> None:
+    """Ctrl-C ``tandem up`` as a user would, kill it if it does not stop within a minute,
+    then let the thread reading its output finish."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(10)

@@ -740,8 +740,8 @@ class PDFlow:
             self.prefix.record(node.url, chunks)
 
             async def on_end(got_data: bool, pf: Node = prefill) -> None:
-                if not got_data:
-                    await self.free_cache(pf, kv)
+                if not got_data:  # in the background: a stalled P must not hold the client
+                    self._spawn(self.free_cache(pf, kv))
 
             try:
                 relayed = await self._relay(node, resp, request, body, on_end, deadline)

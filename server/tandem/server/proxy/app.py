@@ -183,6 +183,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     state = ProxyState(
         settings=settings, registry=registry, flow=flow, client=client, poller=poller
     )
+    flow.reprobe = poller.reprobe  # a request waiting on an engine probes it now
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -197,6 +198,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                await poller.aclose()
                 await flow.aclose()
                 await client.aclose()
 

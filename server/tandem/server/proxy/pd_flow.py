@@ -24,13 +24,16 @@ Failure rules, so that no engine holds blocks for nobody:
   aggregated on another one; one that dies mid-answer ends the request with a clear error
   (HTTP 502, or an error event in a stream: the tokens already sent cannot be unsent).
 
-No request hangs on a stalled engine (``FlowConfig.stall_timeout``): a stream, and the prefill
-step, that makes no progress (no byte) for ``stall_timeout`` seconds, or for
-``STALL_CONFIRM_S`` once the health poller has found the engine not answering, is given up;
-if nothing reached the client yet the request goes to another engine (or, for a prefill,
-aggregated to the decode side), else the stream ends with an error event and ``[DONE]``. A
-request that finds no healthy engine while one is expected back (stalled, restarting) waits
-for it up to ``stall_timeout`` instead of failing at once.
+No request hangs on a stalled engine (``FlowConfig.stall_timeout``). Each request has one
+``Deadline``: ``stall_timeout`` seconds from its arrival or from the last byte passed to its
+client, shared by every wait inside it (a stream's next byte, the prefill step, failing over,
+waiting for an engine expected back), so a client never waits longer than that in total. An
+engine silent for ``SUSPECT_AFTER_S`` is re-probed at once (``reprobe``); one the poller
+found not answering is given up after ``STALL_CONFIRM_S`` of silence. If nothing reached the
+client yet the request goes to another engine (or, for a prefill, aggregated to the decode
+side), else the stream ends with an error event and ``[DONE]``. A request that finds no
+healthy engine while one is expected back (stalled, restarting) re-probes it and waits for it
+while its deadline lasts instead of failing at once.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from tandem.server.api.mapping import TENANT_HEADER, request_tenant
 from tandem.server.api.sse import SSE_HEADERS, error_event, ndjson_line
 
 from . import routing
+from .deadline import Deadline
 from .registry import DECODE_ROLES, PREFILL_ROLES, Node, Registry
 
 log = logging.getLogger("tandem.proxy")
@@ -86,6 +90,10 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 RETRY_AFTER_SECONDS = 15  # a 503 for want of engines: about one autoscaler poll
 # Silence after which a request gives up on an engine the health poller already found down.
 STALL_CONFIRM_S = 2.0
+# Silence after which an engine is suspected and re-probed at once (not at the next poll).
+SUSPECT_AFTER_S = 1.0
+# The prefill step's share of a request's deadline: the rest is the decode side's.
+PREFILL_SHARE = 0.5
 
 
 def tenant_header(request: Request) -> dict[str, str]:
@@ -167,6 +175,8 @@ class PDFlow:
         self.stats = FlowStats()
         self._turn = routing.round_robin_counter()
         self._background: set[asyncio.Task] = set()
+        # Probe these engines now (the app wires the health poller's ``reprobe``).
+        self.reprobe: Callable[[list[str]], None] = lambda urls: None
         registry.on_remove(lambda n: (self.prefix.forget(n.url), self.sessions.forget_node(n.url)))
 
     # --- helpers ----------------------------------------------------------------------------
@@ -203,6 +213,10 @@ class PDFlow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def deadline(self) -> Deadline:
+        """A fresh request's deadline for progress."""
+        return Deadline(self.config.stall_timeout)
+
     async def aclose(self) -> None:
         for t in list(self._background):
             with contextlib.suppress(BaseException):
@@ -231,7 +245,7 @@ class PDFlow:
         start = time.monotonic()
         mode = "direct"
         try:
-            response, mode = await self._handle(kind, body, request)
+            response, mode = await self._handle(kind, body, request, self.deadline())
         except APIError as err:
             self.stats.client_disconnects += isinstance(err, ClientDisconnected)
             response = error_response(err)
@@ -241,14 +255,14 @@ class PDFlow:
         return response
 
     async def _handle(
-        self, kind: str, body: dict[str, Any], request: Request
+        self, kind: str, body: dict[str, Any], request: Request, deadline: Deadline
     ) -> tuple[Response, str]:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, "'model' must be a string", code="invalid_value", param="model")
         decoders = self.registry.routable(DECODE_ROLES, model)
         if not decoders:
-            decoders = await self._await_engines(model, request)
+            decoders = await self._await_engines(model, request, deadline)
         if not decoders:
             self._raise_unroutable(model)
         text = routing.prompt_text(kind, body)
@@ -262,7 +276,7 @@ class PDFlow:
             held = next((n for n in decoders if n.url == sticky), None)
             if held is not None:
                 return await self.forward(
-                    held, kind, body, request, chunks, decoders, session_key
+                    held, kind, body, request, chunks, decoders, session_key, deadline
                 ), "session"
         picked = self._pick(decoders, chunks, prompt_tokens)
         assert picked is not None
@@ -283,10 +297,18 @@ class PDFlow:
         ):
             same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
             return await self.disaggregated(
-                kind, body, request, chunks, prompt_tokens, prefillers, decode, same_layout
+                kind,
+                body,
+                request,
+                chunks,
+                prompt_tokens,
+                prefillers,
+                decode,
+                same_layout,
+                deadline,
             )
         return await self.forward(
-            decode, kind, body, request, chunks, decoders, session_key
+            decode, kind, body, request, chunks, decoders, session_key, deadline
         ), "direct"
 
     def _raise_unroutable(self, model: str | None) -> None:
@@ -322,16 +344,20 @@ class PDFlow:
         chunks: list[bytes],
         alternatives: list[Node],
         session_key: str | None = None,
+        deadline: Deadline | None = None,
     ) -> Response:
         """Send the request as is to ``first``; on a connect failure, a stall before anything
         reached the client or a retryable status, to the next best of ``alternatives``; when
-        none is left but one is expected back (restarting, stalled), wait for it once."""
+        none is left but one is expected back (restarting, stalled), wait for it once. Every
+        wait draws on ``deadline`` (a fresh one if not given)."""
+        deadline = deadline or self.deadline()
         last_error = "no engine tried"
         tried: set[str] = set()
         for _ in range(2):
-            for node in self._attempts(alternatives, chunks, 0, tried, first):
+            for node in self._attempts(alternatives, chunks, 0, tried, first, deadline):
                 try:
-                    resp = await self._open(node, kind, body, request, idle=self._idle(body))
+                    bound = self._bound(body, deadline)
+                    resp = await self._open(node, kind, body, request, bound)
                     if resp.status_code in RETRYABLE_STATUS:
                         last_error = f"{node.url} answered {resp.status_code}"
                         await resp.aclose()
@@ -339,39 +365,53 @@ class PDFlow:
                     self.prefix.record(node.url, chunks)
                     if session_key is not None and resp.status_code < 400:
                         self.sessions.set(session_key, node.url)
-                    return await self._relay(node, resp, request, body)
+                    return await self._relay(node, resp, request, body, deadline=deadline)
                 except _Unreachable as exc:
                     last_error = str(exc)
                     self._record_down(node, exc)
-            alternatives = await self._await_engines(body.get("model"), request)
+            alternatives = await self._await_engines(body.get("model"), request, deadline)
             first, tried = None, set()
+        if deadline.expired():
+            last_error = (
+                f"no progress within the stall timeout ({deadline.budget:g}s); {last_error}"
+            )
         raise APIError(
             503, f"no engine could take the request: {last_error}", code="no_engine_available"
         )
 
-    def _idle(self, body: dict[str, Any]) -> float | None:
-        """How long an answer may make no progress: a stream (or a one-token prefill) must show
-        bytes within ``stall_timeout``; a whole non-streamed answer may take as long as it
-        takes, and is given up only once the health poller finds its engine down."""
-        return self.config.stall_timeout if body.get("stream") else None
+    def _bound(self, body: dict[str, Any], deadline: Deadline) -> Deadline | None:
+        """How long an answer may make no progress: a stream must show bytes within its
+        request's deadline; a whole non-streamed answer may take as long as it takes, and is
+        given up only once the health poller finds its engine down."""
+        return deadline if body.get("stream") else None
 
     def _record_down(self, node: Node, exc: Exception) -> None:
+        """Count a failed engine against it; a request given up on its deadline after only a
+        short silence there (the budget went elsewhere) re-probes the engine instead."""
         stalled = isinstance(exc, _Stalled)
+        if stalled and exc.silent < STALL_CONFIRM_S and node.healthy:
+            self.reprobe([node.url])
+            return
         self.stats.stalls += stalled
         self.registry.record_failure(node.url, str(exc), stalled=stalled)
 
-    async def _await_engines(self, model: Any, request: Request) -> list[Node]:
+    async def _await_engines(
+        self, model: Any, request: Request, deadline: Deadline | None = None
+    ) -> list[Node]:
         """No healthy decode engine: if one is expected back (restarting under ``tandem up``,
-        stalled, loading), wait for it up to ``stall_timeout`` rather than fail at once."""
+        stalled, loading), re-probe it now and wait for it while the request's deadline lasts
+        rather than fail at once."""
         model = model if isinstance(model, str) else None
-        deadline = time.monotonic() + self.config.stall_timeout
+        deadline = deadline or self.deadline()
         waited = False
         while not (nodes := self.registry.routable(DECODE_ROLES, model)):
-            if time.monotonic() >= deadline or not self.registry.expected_back(DECODE_ROLES, model):
+            returning = self.registry.returning(DECODE_ROLES, model)
+            if deadline.expired() or not returning:
                 break
             self.stats.waits += not waited
             waited = True
-            await watch_progress(asyncio.sleep(0.1), request)
+            self.reprobe([n.url for n in returning])  # rate-limited by the poller
+            await watch_progress(asyncio.sleep(min(0.1, deadline.remaining())), request)
         return nodes
 
     def _attempts(
@@ -381,11 +421,15 @@ class PDFlow:
         prompt_tokens: int,
         tried: set[str],
         first: Node | None = None,
+        deadline: Deadline | None = None,
     ) -> Iterator[Node]:
         """The nodes to try in turn: ``first``, then the best healthy node of ``nodes`` not in
-        ``tried``, until ``max_attempts`` are tried or none is left. Each joins ``tried``."""
+        ``tried``, until ``max_attempts`` are tried, none is left or ``deadline`` expired.
+        Each joins ``tried``."""
         node = first
         while len(tried) < self.config.max_attempts:
+            if deadline is not None and deadline.expired():
+                return
             if node is None:
                 rest = [n for n in nodes if n.healthy and n.url not in tried]
                 picked = self._pick(rest, chunks, prompt_tokens)
@@ -402,11 +446,11 @@ class PDFlow:
         kind: str,
         body: dict[str, Any],
         request: Request,
-        idle: float | None = None,
+        bound: Deadline | None = None,
     ) -> httpx.Response:
         """Send the request and wait for the status line (streamed body left open), watching
         the client: if it leaves, the upstream request is cancelled and ClientDisconnected raised.
-        No status line within ``idle`` seconds (or the engine found down) raises _Stalled."""
+        No status line by ``bound`` (or the engine found down) raises _Stalled."""
         req = self.client.build_request(
             "POST",
             node.url + PATHS[kind],
@@ -416,7 +460,7 @@ class PDFlow:
         )
         node.inflight += 1
         try:
-            return await watch_progress(self.client.send(req, stream=True), request, node, idle)
+            return await self._watch(self.client.send(req, stream=True), request, node, bound)
         except (
             httpx.ConnectError,
             httpx.ConnectTimeout,
@@ -437,18 +481,21 @@ class PDFlow:
         request: Request,
         body: dict[str, Any],
         on_end: Callable[[bool], Awaitable[None]] | None = None,
+        deadline: Deadline | None = None,
     ) -> Response:
         """Pass an engine's open response to the client: a stream chunk by chunk, anything else whole.
 
         ``on_end(got_data)`` runs once the engine's response is over (or abandoned), with
-        whether any of it reached the proxy.
+        whether any of it reached the proxy. A stream's bytes are due by ``deadline``, which
+        starts over with each chunk passed to the client.
         """
+        deadline = deadline or self.deadline()
         media = resp.headers.get("content-type", "").split(";")[0].strip()
         is_stream = resp.status_code == 200 and media in STREAM_TYPES
         if not is_stream:
             got = False
             try:
-                content = await watch_progress(resp.aread(), request, node)
+                content = await self._watch(resp.aread(), request, node)
                 got = True
             except (httpx.HTTPError, _Stalled) as exc:
                 self.registry.record_failure(node.url, f"{type(exc).__name__}: {exc}")
@@ -467,7 +514,7 @@ class PDFlow:
 
         chunks = resp.aiter_raw()
         try:  # nothing has reached the client yet: a stall here can still go elsewhere
-            first = await self._next_chunk(chunks, node, request)
+            first = await self._next_chunk(chunks, node, request, deadline)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
@@ -477,21 +524,23 @@ class PDFlow:
                 raise _Unreachable(f"{node.url}: {type(exc).__name__}: {exc}") from exc
             raise
         return DisconnectAwareStreamingResponse(
-            self._passthrough(node, resp, chunks, first, media, on_end),
+            self._passthrough(node, resp, chunks, first, media, on_end, deadline),
             media_type=media,
             headers=SSE_HEADERS,
         )
 
     async def _next_chunk(
-        self, chunks: AsyncIterator[bytes], node: Node, request: Request | None
+        self,
+        chunks: AsyncIterator[bytes],
+        node: Node,
+        request: Request | None,
+        deadline: Deadline,
     ) -> bytes | None:
-        """The next non-empty chunk of an engine's stream (None at its end), or _Stalled after
-        ``stall_timeout`` seconds without one."""
+        """The next non-empty chunk of an engine's stream (None at its end), or _Stalled once
+        ``deadline`` passed without one."""
         while True:
             try:
-                chunk = await watch_progress(
-                    chunks.__anext__(), request, node, self.config.stall_timeout
-                )
+                chunk = await self._watch(chunks.__anext__(), request, node, deadline)
             except StopAsyncIteration:
                 return None
             if chunk:
@@ -505,6 +554,7 @@ class PDFlow:
         first: bytes | None,
         media: str,
         on_end: Callable[[bool], Awaitable[None]] | None,
+        deadline: Deadline,
     ) -> AsyncIterator[bytes]:
         """The engine's stream, byte for byte; if the engine fails or stalls mid-stream, an
         error event in OpenAI's shape and ``[DONE]`` (an NDJSON error line), never a hang."""
@@ -516,7 +566,8 @@ class PDFlow:
             while chunk is not None:
                 tail = chunk[-2:]
                 yield chunk
-                chunk = await self._next_chunk(chunks, node, None)
+                deadline.progress()  # the client got bytes: its wait starts over
+                chunk = await self._next_chunk(chunks, node, None, deadline)
         except (httpx.HTTPError, _Stalled) as exc:
             self._record_down(node, exc)
             self.stats.decode_failures += 1
@@ -529,6 +580,12 @@ class PDFlow:
                 if on_end is not None:
                     await on_end(got)
 
+    async def _watch(
+        self, aw: Awaitable[T], request: Request | None, node: Node, bound: Deadline | None = None
+    ) -> T:
+        """``watch_progress`` that re-probes ``node`` once it has been silent a while."""
+        return await watch_progress(aw, request, node, bound, lambda n: self.reprobe([n.url]))
+
     # --- disaggregated: prefill on P, decode on D ------------------------------------------------
     async def disaggregated(
         self,
@@ -540,15 +597,73 @@ class PDFlow:
         prefillers: list[Node],
         decode: Node,
         decoders: list[Node],
+        deadline: Deadline | None = None,
     ) -> tuple[Response, str]:
+        """Prefill on one of ``prefillers``, hand the KV over, decode on ``decode`` (or the next
+        of ``decoders``); whatever fails before the client got anything runs aggregated."""
+        deadline = deadline or self.deadline()
+        step = await self._prefill(kind, body, request, chunks, prompt_tokens, prefillers, deadline)
+        if isinstance(step, Response):
+            return step, "disaggregated"
+        kv = self._handoff(step)
+        if step is None or kv is None:
+            self.stats.fallbacks_aggregated += 1
+            log.warning(
+                "no prefill handoff for the request; serving it aggregated on %s", decode.url
+            )
+            return await self.forward(
+                decode, kind, body, request, chunks, decoders, deadline=deadline
+            ), "aggregated_fallback"
+        prefill = step[0]
+        self.prefix.record(prefill.url, chunks)
+        tried: set[str] = set()
+        served = await self._decode(
+            kind,
+            body,
+            request,
+            chunks,
+            prompt_tokens,
+            decoders,
+            decode,
+            prefill,
+            kv,
+            tried,
+            deadline,
+        )
+        if served is not None:
+            return served
+        # Run the whole request elsewhere (or on an engine coming back).
+        rest = [n for n in decoders if n.healthy and n.url not in tried]
+        rest = rest or await self._await_engines(body.get("model"), request, deadline)
+        if not rest:
+            raise APIError(
+                503, "no decode engine could take the request", code="no_engine_available"
+            )
+        self.stats.fallbacks_aggregated += 1
+        return await self.forward(
+            rest[0], kind, body, request, chunks, rest, deadline=deadline
+        ), "aggregated_fallback"
+
+    async def _prefill(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        chunks: list[bytes],
+        prompt_tokens: int,
+        prefillers: list[Node],
+        deadline: Deadline,
+    ) -> tuple[Node, Any] | Response | None:
+        """The prefill step: (the engine, its parsed answer), the engine's 4xx answer to pass
+        on, or None when no prefill engine took it. It may use ``PREFILL_SHARE`` of the
+        request's deadline; the rest is left to the decode side."""
+        bound = deadline.capped(deadline.budget * PREFILL_SHARE)
         prefill_body = prefill_request(body)
-        answer: dict[str, Any] | None = None
-        for prefill in self._attempts(prefillers, chunks, prompt_tokens, set()):
+        for prefill in self._attempts(prefillers, chunks, prompt_tokens, set(), None, bound):
             try:
-                stall = self.config.stall_timeout
-                resp = await self._open(prefill, kind, prefill_body, request, idle=stall)
+                resp = await self._open(prefill, kind, prefill_body, request, bound)
                 try:
-                    content = await watch_progress(resp.aread(), request, prefill, stall)
+                    content = await self._watch(resp.aread(), request, prefill, bound)
                 finally:
                     await resp.aclose()
             except (_Unreachable, httpx.HTTPError) as exc:
@@ -567,40 +682,49 @@ class PDFlow:
                     )
                 continue
             if resp.status_code >= 400:  # the request itself is wrong: any engine would say so
-                return _as_response(resp, content), "disaggregated"
+                return _as_response(resp, content)
             try:
-                answer = json.loads(content)
+                return prefill, json.loads(content)
             except ValueError:
                 log.warning("prefill on %s answered invalid JSON", prefill.url)
-                continue
-            break
-        if answer is None:
-            self.stats.fallbacks_aggregated += 1
-            log.warning(
-                "no prefill engine could take the request; serving it aggregated on %s", decode.url
-            )
-            return await self.forward(
-                decode, kind, body, request, chunks, decoders
-            ), "aggregated_fallback"
-        self.prefix.record(prefill.url, chunks)
+        return None
 
+    @staticmethod
+    def _handoff(step: tuple[Node, Any] | None) -> dict[str, Any] | None:
+        """The prefill answer's ``kv_transfer_params``, or None when it handed no KV over (an
+        engine without P/D support: the request is decoded aggregated)."""
+        if step is None:
+            return None
+        prefill, answer = step
         kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
-            # The engine did not hand the KV over (an engine without P/D support): decode aggregated.
-            log.warning(
-                "prefill engine %s returned no kv_transfer_params; serving aggregated", prefill.url
-            )
-            self.stats.fallbacks_aggregated += 1
-            return await self.forward(
-                decode, kind, body, request, chunks, decoders
-            ), "aggregated_fallback"
+            log.warning("prefill engine %s returned no kv_transfer_params", prefill.url)
+            return None
+        return kv
 
+    async def _decode(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        chunks: list[bytes],
+        prompt_tokens: int,
+        decoders: list[Node],
+        decode: Node,
+        prefill: Node,
+        kv: dict[str, Any],
+        tried: set[str],
+        deadline: Deadline,
+    ) -> tuple[Response, str] | None:
+        """The decode step on ``decode``, then the next of ``decoders``: the answer, or None
+        when none took the handoff (P's lease released; the caller runs it aggregated)."""
         decode_body = dict(body)
         decode_body["kv_transfer_params"] = {**kv, "remote_engine_url": prefill.url}
-        tried: set[str] = set()
-        for node in self._attempts(decoders, chunks, prompt_tokens, tried, decode):
+        for node in self._attempts(decoders, chunks, prompt_tokens, tried, decode, deadline):
             try:
-                resp = await self._open(node, kind, decode_body, request, idle=self._idle(body))
+                resp = await self._open(
+                    node, kind, decode_body, request, self._bound(body, deadline)
+                )
             except _Unreachable as exc:
                 self.stats.decode_failures += 1
                 self._record_down(node, exc)
@@ -610,54 +734,59 @@ class PDFlow:
                 self._spawn(self.free_cache(prefill, kv))
                 raise
             if resp.status_code >= 400:
-                # D refused or failed before answering: it freed its own blocks; P's lease goes too.
-                self.stats.decode_failures += resp.status_code >= 500
-                self._spawn(self.free_cache(prefill, kv))
-                if resp.status_code != 502:
-                    return await self._relay(node, resp, request, body), "disaggregated"
-                await resp.aclose()
-                # An engine answers a generation 502 only when its KV pull failed (P died or
-                # hung after answering): P is suspect, and D recomputes the prompt itself.
-                # Never the same failed pair again.
-                self.stats.prefill_failures += 1
-                self.registry.record_failure(
-                    prefill.url, "a decode engine's KV pull from it failed"
+                return await self._decode_refused(
+                    node, resp, kind, body, request, chunks, decoders, prefill, kv, deadline
                 )
-                self.stats.fallbacks_aggregated += 1
-                log.warning(
-                    "KV pull from %s to %s failed; serving aggregated on %s",
-                    prefill.url,
-                    node.url,
-                    node.url,
-                )
-                return await self.forward(
-                    node, kind, body, request, chunks, decoders
-                ), "aggregated_fallback"
             self.prefix.record(node.url, chunks)
-            pf = prefill
 
-            async def on_end(got_data: bool, pf: Node = pf) -> None:
-                if not got_data:
-                    await self.free_cache(pf, kv)
+            async def on_end(got_data: bool, pf: Node = prefill) -> None:
+                if not got_data:  # in the background: a stalled P must not hold the client
+                    self._spawn(self.free_cache(pf, kv))
 
             try:
-                return await self._relay(node, resp, request, body, on_end=on_end), "disaggregated"
+                relayed = await self._relay(node, resp, request, body, on_end, deadline)
+                return relayed, "disaggregated"
             except _Unreachable as exc:  # D stalled before its first byte; on_end freed P's lease
                 self.stats.decode_failures += 1
                 self._record_down(node, exc)
-                break
-        else:
-            # No decode engine took the handoff: release P's blocks.
-            self._spawn(self.free_cache(prefill, kv))
-        # Run the whole request elsewhere (or on an engine coming back).
-        rest = [n for n in decoders if n.healthy and n.url not in tried]
-        rest = rest or await self._await_engines(body.get("model"), request)
-        if not rest:
-            raise APIError(
-                503, "no decode engine could take the request", code="no_engine_available"
-            )
+                return None
+        # No decode engine took the handoff: release P's blocks.
+        self._spawn(self.free_cache(prefill, kv))
+        return None
+
+    async def _decode_refused(
+        self,
+        node: Node,
+        resp: httpx.Response,
+        kind: str,
+        body: dict[str, Any],
+        request: Request,
+        chunks: list[bytes],
+        decoders: list[Node],
+        prefill: Node,
+        kv: dict[str, Any],
+        deadline: Deadline,
+    ) -> tuple[Response, str]:
+        """D refused or failed before answering: it freed its own blocks; P's lease goes too.
+        A 502 means its KV pull failed (P died or hung after answering): P is suspect, and the
+        request runs aggregated on D, never on the same failed pair again."""
+        self.stats.decode_failures += resp.status_code >= 500
+        self._spawn(self.free_cache(prefill, kv))
+        if resp.status_code != 502:
+            return await self._relay(node, resp, request, body), "disaggregated"
+        await resp.aclose()
+        self.stats.prefill_failures += 1
+        self.registry.record_failure(prefill.url, "a decode engine's KV pull from it failed")
         self.stats.fallbacks_aggregated += 1
-        return await self.forward(rest[0], kind, body, request, chunks, rest), "aggregated_fallback"
+        log.warning(
+            "KV pull from %s to %s failed; serving aggregated on %s",
+            prefill.url,
+            node.url,
+            node.url,
+        )
+        return await self.forward(
+            node, kind, body, request, chunks, decoders, deadline=deadline
+        ), "aggregated_fallback"
 
 
 def _as_response(resp: httpx.Response, content: bytes) -> Response:
@@ -690,11 +819,15 @@ class _Unreachable(Exception):
 class _Stalled(_Unreachable):
     """The engine took the request and made no progress in time (stopped, hung, swapping)."""
 
+    def __init__(self, message: str, silent: float = 0.0) -> None:
+        super().__init__(message)
+        self.silent = silent  # how long this engine was silent before it was given up
 
-def _gave_up(node: Node | None, waited: float, idle: float | None) -> bool:
-    """Silence for ``idle`` seconds, or for ``STALL_CONFIRM_S`` from an engine the health
-    poller has found not answering (a 503 while draining is an answer: not given up)."""
-    if idle is not None and waited >= idle:
+
+def _gave_up(node: Node | None, waited: float, bound: Deadline | None) -> bool:
+    """``bound`` passed, or silence for ``STALL_CONFIRM_S`` from an engine the health poller
+    has found not answering (a 503 while draining is an answer: not given up)."""
+    if bound is not None and bound.expired():
         return True
     return node is not None and node.failures > 0 and not node.healthy and waited >= STALL_CONFIRM_S
 
@@ -709,23 +842,32 @@ async def watch_progress(
     aw: Awaitable[T],
     request: Request | None,
     node: Node | None = None,
-    idle: float | None = None,
+    bound: Deadline | None = None,
+    suspect: Callable[[Node], None] | None = None,
 ) -> T:
     """``watch_client``, and give up on ``node`` (cancel ``aw``, raise _Stalled) when it makes
-    no progress: a stalled engine never holds its clients longer than the stall timeout."""
+    no progress by ``bound``: a stalled engine never holds its clients longer than the stall
+    timeout. A bounded wait silent for ``SUSPECT_AFTER_S`` calls ``suspect(node)`` once."""
     task = asyncio.ensure_future(aw)
     start = time.monotonic()
+    suspected = False
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            timeout = (
+                DISCONNECT_POLL_S if bound is None else min(DISCONNECT_POLL_S, bound.remaining())
+            )
+            done, _ = await asyncio.wait({task}, timeout=max(timeout, 0.01))
             if done:
                 return task.result()
             if request is not None and await request.is_disconnected():
                 raise ClientDisconnected()
             waited = time.monotonic() - start
-            if _gave_up(node, waited, idle):
+            if _gave_up(node, waited, bound):
                 url = node.url if node is not None else "engine"
-                raise _Stalled(f"{url}: no progress for {waited:.1f}s")
+                raise _Stalled(f"{url}: no progress for {waited:.1f}s", waited)
+            if suspect and node and bound and not suspected and waited >= SUSPECT_AFTER_S:
+                suspected = True
+                suspect(node)
     finally:
         if not task.done():
             task.cancel()

@@ -43,6 +43,8 @@ UNREACHABLE = "unreachable"
 # What /nodes/status says of a node's health (``Node.health``).
 HEALTHY, NOT_READY, STARTING, STALLED, DEAD = "healthy", "not_ready", "starting", "stalled", "dead"
 MAX_PROBE_BACKOFF = 8.0  # seconds: a node that comes back is re-admitted this soon at worst
+SUSPECT_PROBE_TIMEOUT = 2.0  # seconds a suspected node (down, or silent on a request) may take
+REPROBE_MIN_INTERVAL = 0.5  # seconds between on-demand probes of one node
 
 
 def normalize_url(url: str) -> str:
@@ -228,16 +230,22 @@ class Registry:
         )
 
     def expected_back(self, roles: frozenset[str], model: str | None = None) -> bool:
-        """Whether a node in ``roles`` serving ``model`` is down but may well return soon: it
-        was healthy and stopped answering (stalled, or restarting on its address), or it was
-        registered and is still loading. A request finding no healthy node waits for it."""
+        """Whether a node in ``roles`` serving ``model`` is down but may well return soon."""
+        return bool(self.returning(roles, model))
+
+    def returning(self, roles: frozenset[str], model: str | None = None) -> list[Node]:
+        """The nodes in ``roles`` serving ``model`` that are down but may well return soon:
+        healthy before and stopped answering (stalled, or restarting on its address), or
+        registered and still loading. A request finding no healthy node waits for them."""
         now = self._clock()
-        for n in self._nodes.values():
-            if n.healthy or n.role not in roles or not n.serves(model):
-                continue
-            if n.ever_healthy or now - n.added_at < self.startup_grace:
-                return True
-        return False
+        return [
+            n
+            for n in self._nodes.values()
+            if not n.healthy
+            and n.role in roles
+            and n.serves(model)
+            and (n.ever_healthy or now - n.added_at < self.startup_grace)
+        ]
 
     def clock(self) -> float:
         return self._clock()
@@ -362,19 +370,54 @@ class HealthPoller:
         interval: float = 2.0,
         timeout: float = 5.0,
         secret: str | None = None,
+        suspect_timeout: float = SUSPECT_PROBE_TIMEOUT,
     ) -> None:
         self.registry = registry
         self.client = client
         self.interval = interval
         self.timeout = timeout
+        self.suspect_timeout = min(timeout, suspect_timeout)
         self.secret = secret
+        self._probing: set[str] = set()
+        self._reprobed: dict[str, float] = {}
+        self._tasks: set[asyncio.Task] = set()
 
-    async def probe(self, url: str) -> None:
-        """Probe one node and record the outcome."""
+    def probe_timeout(self, node: Node | None) -> float:
+        """A node already down is suspected: it gets the shorter ``suspect_timeout``."""
+        return self.suspect_timeout if node is not None and node.failures > 0 else self.timeout
+
+    def reprobe(self, urls: list[str]) -> None:
+        """Probe these nodes now (a request waits on them, or they went silent on one), with
+        the suspect timeout; at most once per ``REPROBE_MIN_INTERVAL`` per node, never twice
+        at once. Returns at once: the probes run as tasks."""
+        now = self.registry.clock()
+        for url in urls:
+            if url in self._probing or now - self._reprobed.get(url, -1e9) < REPROBE_MIN_INTERVAL:
+                continue
+            self._reprobed[url] = now
+            task = asyncio.ensure_future(self.probe(url, self.suspect_timeout))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def probe(self, url: str, timeout: float | None = None) -> None:
+        """Probe one node and record the outcome (one probe per node at a time)."""
+        if url in self._probing:
+            return
+        self._probing.add(url)
+        try:
+            await self._probe(url, timeout or self.probe_timeout(self.registry.get(url)))
+        finally:
+            self._probing.discard(url)
+
+    async def _probe(self, url: str, timeout: float) -> None:
         nonce = new_nonce()
         try:
             r = await self.client.get(
-                url + "/health", timeout=self.timeout, headers={CHALLENGE_HEADER: nonce}
+                url + "/health", timeout=timeout, headers={CHALLENGE_HEADER: nonce}
             )
         except (httpx.HTTPError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -455,9 +455,11 @@ def _hostile(client: openai.OpenAI, kwargs: dict[str, Any], stream: bool) -> str
         return err.code or ""
 
 
-def test_a_failing_request_never_fails_another_keys_stream(plane) -> None:
-    engine = plane[0]
-    a, b = _client(engine.url, KEY_A), _client(engine.url, KEY_B)
+@pytest.mark.parametrize("via", ["engine", "proxy"])
+def test_a_failing_request_never_fails_another_keys_stream(plane, via: str) -> None:
+    engine, proxy = plane
+    url = engine.url if via == "engine" else proxy.url
+    a, b = _client(url, KEY_A), _client(url, KEY_B)
     reference = _stream(a)
     assert reference[1] == ["length"] and reference[0]
     with ThreadPoolExecutor(1 + 2 * len(HOSTILE)) as pool:

@@ -32,7 +32,7 @@ from e2e.cluster import Cluster, bin_dir, missing_binaries  # noqa: E402
 from e2e.pools import operator_process  # noqa: E402
 from tandem.operator.kube import Kube, load_config  # noqa: E402
 from tandem.operator.render import render  # noqa: E402
-from tandem.operator.spec import load_inference_service  # noqa: E402
+from tandem.operator.spec.inference_service import load_inference_service  # noqa: E402
 
 
 def isvc(name: str, namespace: str, replicas: int = 1, proxy: int = 0) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from e2e.test_operator import _isvc
 from tandem.operator.kube import Kube
 from tandem.operator.planner import EngineProfile, PlannerState
 from tandem.operator.planning import PROFILE_KEY, Decision, queries, run_planner
-from tandem.operator.spec import load_inference_service
+from tandem.operator.spec.inference_service import load_inference_service
 
 ROOT = Path(__file__).resolve().parents[1]
 

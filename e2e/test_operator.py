@@ -352,7 +352,7 @@ BROKEN = [
 def test_crd_rejects_each_broken_rule_with_its_message(
     cluster: Cluster, chart: None, namespace: str
 ) -> None:
-    from tandem.operator.spec import load_inference_service
+    from tandem.operator.spec.inference_service import load_inference_service
 
     for spec, message in BROKEN:
         obj = _isvc("broken", namespace, **spec)

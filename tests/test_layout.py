@@ -23,7 +23,9 @@ def test_stdlib_operator_wins_from_the_repository_root() -> None:
     r = _run(sys.executable, "-S", "-c", "import collections, operator; assert operator.eq(1, 1)")
     assert r.returncode == 0, r.stderr
     r = _run(
-        sys.executable, "-c", "import operator, tandem.operator.spec; print(operator.__file__)"
+        sys.executable,
+        "-c",
+        "import operator, tandem.operator.spec.inference_service; print(operator.__file__)",
     )
     assert r.returncode == 0, r.stderr
     assert "site-packages" not in r.stdout and str(ROOT) not in r.stdout
@@ -63,7 +65,7 @@ def test_serve_extra_holds_everything_tandem_up_and_serve_import() -> None:
         "tandem.server.cli",
         "tandem.server.local",
         "tandem.operator.plan",
-        "tandem.operator.spec",
+        "tandem.operator.spec.inference_service",
         "tandem.server.api.app",
         "tandem.server.api.serve_cli",
         "tandem.server.proxy.app",

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tandem.operator.plan import engine_flags, plan
-from tandem.operator.spec import load_inference_service
+from tandem.operator.spec.inference_service import load_inference_service
 from tandem.server.cli import build_parser
 
 

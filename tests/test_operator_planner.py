@@ -286,7 +286,7 @@ def test_the_example_service_and_its_profile_load() -> None:
     import yaml
 
     from tandem.operator.planning import PROFILE_KEY, config_for
-    from tandem.operator.spec import load_inference_service
+    from tandem.operator.spec.inference_service import load_inference_service
 
     root = Path(__file__).resolve().parents[1]
     cm, body = yaml.safe_load_all((root / "examples/slo-planner.yaml").read_text())

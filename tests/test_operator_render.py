@@ -6,7 +6,7 @@ from typing import Any
 
 from tandem.operator.plan import plan
 from tandem.operator.render import RenderOptions, internal_credential_secret, render
-from tandem.operator.spec import load_inference_service
+from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.status import (
     Children,
     DeploymentSummary,

@@ -13,7 +13,9 @@ import yaml
 
 from tandem.operator import crd as crd_module
 from tandem.operator.plan import NON_ENGINE_FIELDS
-from tandem.operator.spec import EngineSpec, InferenceServiceSpec, RoleSpec, load_inference_service
+from tandem.operator.spec.engine import EngineSpec
+from tandem.operator.spec.inference_service import InferenceServiceSpec, load_inference_service
+from tandem.operator.spec.roles import RoleSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

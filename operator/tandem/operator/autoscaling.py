@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Autoscaling
+from .spec.autoscaling import Autoscaling
 
 Manifest = dict[str, Any]
 

@@ -129,7 +129,7 @@ def _render(path: str, options: RenderOptions) -> int:
     import yaml
 
     from .render import render
-    from .spec import load_inference_service
+    from .spec.inference_service import load_inference_service
 
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     try:

@@ -44,7 +44,8 @@ from .render import (
     internal_credential_secret,
     render,
 )
-from .spec import GPU_RESOURCE, GROUP, PLURAL, VERSION, InferenceService, load_inference_service
+from .spec.inference_service import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
+from .spec.roles import GPU_RESOURCE
 from .status import (
     AutoscalerSummary,
     Children,

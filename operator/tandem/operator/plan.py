@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .spec import Autoscaling, InferenceService, RoleSpec
+from .spec.autoscaling import Autoscaling
+from .spec.inference_service import InferenceService
+from .spec.roles import RoleSpec
 
 ENGINE_PORT = 8000
 PROXY_PORT = 8000

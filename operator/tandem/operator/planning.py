@@ -29,7 +29,7 @@ from .planner import (
     recommend,
     step,
 )
-from .spec import InferenceService
+from .spec.inference_service import InferenceService
 
 PROFILE_KEY = "profile.json"
 WINDOW = "1m"

@@ -25,7 +25,8 @@ from .plan import (
     Topology,
     plan,
 )
-from .spec import API_VERSION, GPU_RESOURCE, KIND, InferenceService, PodTemplate, Resources
+from .spec.inference_service import API_VERSION, KIND, InferenceService
+from .spec.roles import GPU_RESOURCE, PodTemplate, Resources
 
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem:0.1.0"
 ROLE_LABEL = "tandem.dev/role"

@@ -25,7 +25,9 @@ from .render import (
     cached_model_key,
     service_url,
 )
-from .spec import GPU_RESOURCE, Condition, InferenceService, InferenceServiceStatus, RoleStatus
+from .spec.inference_service import InferenceService
+from .spec.roles import GPU_RESOURCE
+from .spec.status import Condition, InferenceServiceStatus, RoleStatus
 
 DOWNLOAD_ROLE = "download"
 

@@ -1,0 +1,42 @@
+"""``status``: the schema of what the operator reports (``tandem.operator.status`` computes it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .rules import SpecModel
+
+
+class Condition(SpecModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class RoleStatus(SpecModel):
+    desired: int = 0
+    ready: int = 0
+    updated: int = 0
+    available: int = 0
+    replicas: str = Field("0/0", description="ready/desired, for printing")
+
+
+class InferenceServiceStatus(SpecModel):
+    """``status``: recomputed from the children; never carries the operator's bookkeeping."""
+
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Downloading", "Progressing", "Ready", "Degraded"] | None = None
+    url: str | None = None
+    selector: str | None = None
+    decode_selector: str | None = Field(
+        None, description="Label selector of the decode pods (the scale subresource's)"
+    )
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+    proxy: RoleStatus | None = None
+    conditions: list[Condition] = Field(default_factory=list)

@@ -32,10 +32,10 @@ import pytest
 import yaml
 
 from e2e.cluster import Cluster, wait_for
-from tandem.operator.plan import engine_selector, plan
 from tandem.operator.render import render
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.spec.roles import GPU_RESOURCE
+from tandem.operator.topology import engine_selector, plan
 from tandem.server.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

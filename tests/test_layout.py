@@ -35,13 +35,13 @@ def test_import_paths_mirror_the_tree() -> None:
     r = _run(
         sys.executable,
         "-c",
-        "import tandem.server.engine.llm_engine as a, tandem.operator.plan as b;"
+        "import tandem.server.engine.llm_engine as a, tandem.operator.topology as b;"
         "print(a.__file__); print(b.__file__)",
     )
     assert r.returncode == 0, r.stderr
     engine, plan = r.stdout.split()
     assert Path(engine).relative_to(ROOT) == Path("server/tandem/server/engine/llm_engine.py")
-    assert Path(plan).relative_to(ROOT) == Path("operator/tandem/operator/plan.py")
+    assert Path(plan).relative_to(ROOT) == Path("operator/tandem/operator/topology.py")
 
 
 def test_ruff_lint_and_format_are_clean() -> None:
@@ -64,7 +64,7 @@ def test_serve_extra_holds_everything_tandem_up_and_serve_import() -> None:
     modules = [
         "tandem.server.cli",
         "tandem.server.local",
-        "tandem.operator.plan",
+        "tandem.operator.topology",
         "tandem.operator.spec.inference_service",
         "tandem.server.api.app",
         "tandem.server.api.serve_cli",

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from tandem.operator.plan import engine_flags, plan
 from tandem.operator.spec.inference_service import load_inference_service
+from tandem.operator.topology import engine_flags, plan
 from tandem.server.cli import build_parser
 
 

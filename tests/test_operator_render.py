@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.operator.plan import plan
 from tandem.operator.render import RenderOptions, internal_credential_secret, render
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.status import (
@@ -15,6 +14,7 @@ from tandem.operator.status import (
     as_patch,
     compute_status,
 )
+from tandem.operator.topology import plan
 
 UID = "0b5a6e0e-6f5b-4a57-9d55-7a0f4d8f3c11"
 

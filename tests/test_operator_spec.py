@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from tandem.operator import crd as crd_module
-from tandem.operator.plan import NON_ENGINE_FIELDS
 from tandem.operator.spec.engine import EngineSpec
 from tandem.operator.spec.inference_service import InferenceServiceSpec, load_inference_service
 from tandem.operator.spec.roles import RoleSpec
+from tandem.operator.topology import NON_ENGINE_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,7 +204,7 @@ def test_crd_file_and_helm_template_equal_the_generated_crd() -> None:
 
 
 def test_engine_fields_are_engine_config_fields() -> None:
-    """spec.engine's names are EngineConfig's, with compatible types, so plan.py can map them
+    """spec.engine's names are EngineConfig's, with compatible types, so topology.py can map them
     onto the flags generically; and every EngineConfig field a user should set is exposed."""
     from tandem.server.engine.config import EngineConfig
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from tandem.operator.plan import plan
 from tandem.operator.render import (
     KV_LAYOUT_LABEL,
     MODEL_CACHED_ANNOTATION,
@@ -34,6 +33,7 @@ from tandem.operator.status import (
     summarize_job,
     summarize_pod,
 )
+from tandem.operator.topology import plan
 
 from .test_operator_render import UID, isvc
 

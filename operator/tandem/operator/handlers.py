@@ -31,7 +31,6 @@ import kopf
 
 from .autoscaling import KEDA_API_VERSION, scaled_object_health
 from .kube import Kube, KubeError
-from .plan import ENGINE_SELECTOR_LABEL, Topology, plan
 from .planner import PlannerState
 from .planning import run_planner
 from .render import (
@@ -63,6 +62,7 @@ from .status import (
     summarize_job,
     summarize_pod,
 )
+from .topology import ENGINE_SELECTOR_LABEL, Topology, plan
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 KOPF_PREFIX = "kopf.tandem.dev"

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .autoscaling import autoscaler_objects, scrape_annotations
-from .plan import (
+from .spec.inference_service import API_VERSION, KIND, InferenceService
+from .spec.roles import GPU_RESOURCE, PodTemplate, Resources
+from .topology import (
     COMPONENT_LABEL,
     ENGINE_SELECTOR_LABEL,
     MODEL_CACHE_MOUNT,
@@ -25,8 +27,6 @@ from .plan import (
     Topology,
     plan,
 )
-from .spec.inference_service import API_VERSION, KIND, InferenceService
-from .spec.roles import GPU_RESOURCE, PodTemplate, Resources
 
 DEFAULT_IMAGE = "ghcr.io/tandem-dev/tandem:0.1.0"
 ROLE_LABEL = "tandem.dev/role"

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .plan import Topology
 from .render import (
     KV_LAYOUT_LABEL,
     MODEL_CACHED_ANNOTATION,
@@ -28,6 +27,7 @@ from .render import (
 from .spec.inference_service import InferenceService
 from .spec.roles import GPU_RESOURCE
 from .spec.status import Condition, InferenceServiceStatus, RoleStatus
+from .topology import Topology
 
 DOWNLOAD_ROLE = "download"
 

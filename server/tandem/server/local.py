@@ -135,8 +135,8 @@ class UpError(Exception):
 
 def load_plan(args: argparse.Namespace) -> Any:
     """The Topology to run: the spec (file or default), replica overrides, the local model."""
-    from tandem.operator.plan import plan
     from tandem.operator.spec.inference_service import load_inference_service
+    from tandem.operator.topology import plan
 
     if args.file:
         try:

@@ -1,8 +1,9 @@
 """Spec -> topology: which programs run, how many, with which arguments. Pure.
 
-The operator renders a topology into Kubernetes objects (``render.py``); ``tandem up``
-runs the same topology as local processes. Keeping this step free of Kubernetes and of I/O
-is what lets the two agree: an InferenceService YAML means the same engines either way.
+The operator renders a topology into Kubernetes objects (``tandem.operator.render``);
+``tandem up`` runs the same topology as local processes. Keeping this step free of Kubernetes
+and of I/O is what lets the two agree: an InferenceService YAML means the same engines
+either way.
 """
 
 from __future__ import annotations
@@ -169,69 +170,16 @@ def plan(
     name, namespace = isvc.metadata.name, isvc.metadata.namespace
     source = model_source(isvc)
     model_path = model_dir or source.path
-    common = engine_flags(isvc)
-    env = dict(spec.engine.env)
-
-    def engine(role: RoleName, pool: str, role_spec: RoleSpec) -> RolePlan:
-        args = [
-            "serve",
-            "--model",
-            model_path,
-            "--served-model-name",
-            spec.model.name,
-            "--role",
-            role,
-            "--tensor-parallel-size",
-            str(max(1, role_spec.gpus)),
-            "--shutdown-timeout",
-            str(spec.engine.shutdown_timeout_seconds),
-            *common,
-            *spec.engine.extra_args,
-        ]
-        return RolePlan(
-            role=role,
-            name=pool,
-            replicas=role_spec.desired_replicas(),
-            args=args,
-            gpus=role_spec.gpus,
-            env=dict(env),
-            port=ENGINE_PORT,
-            autoscaling=role_spec.autoscaling,
-            spec=role_spec,
-        )
-
     roles: list[RolePlan] = []
     if spec.mode == "Disaggregated":
-        roles.append(engine("prefill", "prefill", spec.prefill or RoleSpec()))
-        roles.append(engine("decode", "decode", spec.decode))
-    else:
-        roles.append(engine("both", "engine", spec.decode))
-
-    selector = engine_selector(name)
-    proxy_args = ["proxy"]
-    if discovery == "kubernetes":
-        proxy_args += [
-            "--discovery",
-            "kubernetes",
-            "--namespace",
-            namespace,
-            "--selector",
-            selector,
-        ]
-    if spec.proxy.routing_policy:
-        proxy_args += ["--routing-policy", spec.proxy.routing_policy]
-    proxy_args += spec.proxy.extra_args
-    roles.append(
-        RolePlan(
-            role="proxy",
-            name="proxy",
-            replicas=spec.proxy.replicas,
-            args=proxy_args,
-            gpus=0,
-            env={},
-            port=PROXY_PORT,
+        roles.append(
+            engine_role(isvc, "prefill", "prefill", spec.prefill or RoleSpec(), model_path)
         )
-    )
+        roles.append(engine_role(isvc, "decode", "decode", spec.decode, model_path))
+    else:
+        roles.append(engine_role(isvc, "both", "engine", spec.decode, model_path))
+    selector = engine_selector(name)
+    roles.append(proxy_role(isvc, selector, discovery))
     return Topology(
         name=name,
         namespace=namespace,
@@ -241,4 +189,67 @@ def plan(
         engine_selector=selector,
         roles=roles,
         kv_layout=kv_layout(isvc),
+    )
+
+
+def engine_role(
+    isvc: InferenceService, role: RoleName, pool: str, role_spec: RoleSpec, model_path: str
+) -> RolePlan:
+    """One engine pool: ``tandem serve`` with the model, the role, one rank per GPU, and
+    ``spec.engine`` as flags."""
+    spec = isvc.spec
+    args = [
+        "serve",
+        "--model",
+        model_path,
+        "--served-model-name",
+        spec.model.name,
+        "--role",
+        role,
+        "--tensor-parallel-size",
+        str(max(1, role_spec.gpus)),
+        "--shutdown-timeout",
+        str(spec.engine.shutdown_timeout_seconds),
+        *engine_flags(isvc),
+        *spec.engine.extra_args,
+    ]
+    return RolePlan(
+        role=role,
+        name=pool,
+        replicas=role_spec.desired_replicas(),
+        args=args,
+        gpus=role_spec.gpus,
+        env=dict(spec.engine.env),
+        port=ENGINE_PORT,
+        autoscaling=role_spec.autoscaling,
+        spec=role_spec,
+    )
+
+
+def proxy_role(
+    isvc: InferenceService, selector: str, discovery: Literal["kubernetes", "static"]
+) -> RolePlan:
+    """The proxy pool: ``tandem proxy`` finding the engines by ``selector`` in a cluster."""
+    proxy = isvc.spec.proxy
+    args = ["proxy"]
+    if discovery == "kubernetes":
+        args += [
+            "--discovery",
+            "kubernetes",
+            "--namespace",
+            isvc.metadata.namespace,
+            "--selector",
+            selector,
+        ]
+    if proxy.routing_policy:
+        args += ["--routing-policy", proxy.routing_policy]
+    args += proxy.extra_args
+    return RolePlan(
+        role="proxy",
+        name="proxy",
+        replicas=proxy.replicas,
+        args=args,
+        gpus=0,
+        env={},
+        port=PROXY_PORT,
     )

@@ -13,7 +13,7 @@ cluster, under three policies:
   stabilisation, swept over the target value and over ``minReplicas`` (the knob that buys an
   HPA GPU-hours: its queue signal is zero below saturation, whatever the target), so that its
   attainment can be read at the planner's GPU-hours;
-* ``slo-planner``: ``tandem.operator.planner.step`` (the operator's code) every control
+* ``slo-planner``: ``tandem.operator.autoscaler.planner.step`` (the operator's code) every control
   interval, fed the measured arrival rate and lengths.
 
 The cluster model: a prefill engine runs one prompt at a time for ``isl / tps(isl)``; the
@@ -32,7 +32,7 @@ such as one ``bench/profile_engine.py`` measures on a real engine.
 ``--cluster`` replays the planner once more with its replica changes made on a real control
 plane (``e2e/``: kube-apiserver, controller manager, scheduler, kwok GPU nodes, and the
 operator with ``--no-planner``): at every tick the operator's own planning round
-(``planning.run_planner``, via ``e2e/pools.py``) reads the simulated load from a stand-in
+(``autoscaler.loop.run_planner``, via ``e2e/pools.py``) reads the simulated load from a stand-in
 for Prometheus and patches both pools' scale; the simulated pools then follow the pods that
 the cluster actually made Ready (each serving ``--startup`` seconds later: kwok loads no model).
 """
@@ -56,17 +56,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "server"), str(ROOT)]
 
-from tandem.operator.planner import (  # noqa: E402
-    Bounds,
-    EngineProfile,
-    Load,
-    PlannerConfig,
-    PlannerState,
-    PoolState,
-    SloTarget,
-    recommend,
-    step,
-)
+from tandem.operator.autoscaler.planner import PlannerConfig, PlannerState, step  # noqa: E402
+from tandem.operator.autoscaler.profile import EngineProfile  # noqa: E402
+from tandem.operator.autoscaler.sizing import Load, SloTarget, recommend  # noqa: E402
+from tandem.operator.autoscaler.stabilization import Bounds, PoolState  # noqa: E402
 
 
 def _synthetic() -> EngineProfile:

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "server"), str(ROOT)]
 
-from tandem.operator.planner import EngineProfile  # noqa: E402
+from tandem.operator.autoscaler.profile import EngineProfile  # noqa: E402
 
 STEPS = 16
 

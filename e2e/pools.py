@@ -4,11 +4,11 @@ The operator's Planner backend reads Prometheus every 15 s of wall clock; a repl
 two-hour trace, or a test, needs the same code driven by *its* clock and *its* load. So:
 
 * :class:`MetricSource` plays Prometheus for the planner: it answers exactly the PromQL
-  that :func:`tandem.operator.planning.queries` asks (any other query is an error, so a
+  that :func:`tandem.operator.autoscaler.metrics.queries` asks (any other query is an error, so a
   changed query cannot pass unnoticed) with the samples its driver set;
 * :class:`PlannerPools` creates a Disaggregated InferenceService with the ``Planner``
   backend pointed at that source, and runs the operator's own planning round,
-  :func:`tandem.operator.planning.run_planner`, at the driver's ``now``: it reads the
+  :func:`tandem.operator.autoscaler.loop.run_planner`, at the driver's ``now``: it reads the
   profile ConfigMap and the pools' ``scale`` subresources from the API server and patches
   them. The operator (running with ``--no-planner``) reconciles the service, the
   Deployment controller creates and deletes pods, the scheduler binds them to kwok's fake
@@ -35,9 +35,11 @@ from kubernetes import config
 
 from e2e.cluster import Cluster, wait_for
 from e2e.test_operator import _isvc
+from tandem.operator.autoscaler.loop import run_planner
+from tandem.operator.autoscaler.metrics import queries
+from tandem.operator.autoscaler.planner import Decision, PlannerState
+from tandem.operator.autoscaler.profile import PROFILE_KEY, EngineProfile
 from tandem.operator.kube import Kube
-from tandem.operator.planner import EngineProfile, PlannerState
-from tandem.operator.planning import PROFILE_KEY, Decision, queries, run_planner
 from tandem.operator.spec.inference_service import load_inference_service
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,8 +36,10 @@ from e2e.test_operator import (
     _isvc,
     running_operator,
 )
-from tandem.operator.planner import EngineProfile, PlannerState, PoolState
-from tandem.operator.planning import PROFILE_KEY, config_for, decide, queries
+from tandem.operator.autoscaler.metrics import queries
+from tandem.operator.autoscaler.planner import PlannerState, config_for, decide
+from tandem.operator.autoscaler.profile import PROFILE_KEY, EngineProfile
+from tandem.operator.autoscaler.stabilization import PoolState
 from tests.test_proxy_helpers import PROXY_KEY, ProxyProcess, metric_value
 
 pytestmark = pytest.mark.usefixtures("third_party_crds")

@@ -7,24 +7,19 @@ import math
 
 import pytest
 
-from tandem.operator.planner import (
-    Bounds,
+from tandem.operator.autoscaler.planner import PlannerConfig, PlannerState, step
+from tandem.operator.autoscaler.profile import EngineProfile
+from tandem.operator.autoscaler.sizing import (
     Correction,
-    EngineProfile,
     Headroom,
     Load,
-    PlannerConfig,
-    PlannerState,
-    PoolState,
     SloTarget,
-    Stabilization,
     correction,
     decode_batch_limit,
     prefill_utilisation,
     recommend,
-    stabilize,
-    step,
 )
+from tandem.operator.autoscaler.stabilization import Bounds, PoolState, Stabilization, stabilize
 
 # A profile simple enough to do the arithmetic by hand:
 # prefill runs 10,000 tokens/s at any length (1,000 tokens take 0.1 s);
@@ -225,7 +220,8 @@ def test_step_plans_both_pools() -> None:
 
 
 def test_load_from_metrics_and_one_planning_round() -> None:
-    from tandem.operator.planning import decide, load_from_samples
+    from tandem.operator.autoscaler.metrics import load_from_samples
+    from tandem.operator.autoscaler.planner import decide
 
     samples = {
         "rate": 20.0,
@@ -257,7 +253,7 @@ def test_load_from_metrics_and_one_planning_round() -> None:
 def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
     import re
 
-    from tandem.operator.planning import queries
+    from tandem.operator.autoscaler.metrics import queries
     from tandem.server.api.engine_loop import AsyncEngine
     from tandem.server.api.metrics import ServerMetrics
     from tandem.server.proxy.app import ProxySettings, _ProxyCollector, build_app
@@ -285,7 +281,8 @@ def test_the_example_service_and_its_profile_load() -> None:
 
     import yaml
 
-    from tandem.operator.planning import PROFILE_KEY, config_for
+    from tandem.operator.autoscaler.planner import config_for
+    from tandem.operator.autoscaler.profile import PROFILE_KEY
     from tandem.operator.spec.inference_service import load_inference_service
 
     root = Path(__file__).resolve().parents[1]

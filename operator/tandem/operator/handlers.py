@@ -29,10 +29,10 @@ from typing import Any
 
 import kopf
 
-from .autoscaling import KEDA_API_VERSION, scaled_object_health
+from .autoscaler.loop import run_planner
+from .autoscaler.objects import KEDA_API_VERSION
+from .autoscaler.planner import PlannerState
 from .kube import Kube, KubeError
-from .planner import PlannerState
-from .planning import run_planner
 from .render import (
     MANAGER,
     ROLE_LABEL,
@@ -55,6 +55,7 @@ from .status import (
     model_ready,
     parse_status,
     pod_role,
+    scaled_object_health,
     status_changed,
     summarize_autoscaler,
     summarize_claim,
@@ -87,7 +88,7 @@ class OperatorOptions:
     """Watched namespaces; empty is cluster-wide (and a ClusterKopfPeering)."""
     planner: bool = True
     """Run the Planner backend's loop; off when something else drives
-    :func:`~.planning.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
+    :func:`~.autoscaler.loop.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
 
 
 Key = tuple[str, str]

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .autoscaling import autoscaler_objects, scrape_annotations
+from .autoscaler.objects import autoscaler_objects
 from .spec.inference_service import API_VERSION, KIND, InferenceService
 from .spec.roles import GPU_RESOURCE, PodTemplate, Resources
 from .topology import (
@@ -160,6 +160,16 @@ def _resources(resources: Resources | None, gpus: int, kind: str) -> dict[str, A
     if limits:
         out["limits"] = limits
     return out
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The ``prometheus.io/*`` pod annotations that annotation-based scrape configs follow
+    (where no Prometheus Operator runs; its PodMonitor, from the chart, ignores them)."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def _env(env: dict[str, str]) -> list[dict[str, Any]]:

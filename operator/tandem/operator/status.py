@@ -231,6 +231,23 @@ def summarize_autoscaler(body: dict[str, Any], role: str) -> AutoscalerSummary:
     )
 
 
+def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
+    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
+    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
+    resolved its triggers and target. None while KEDA has not reported (or does not run).
+    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
+    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready")
+    if ready is None or ready.get("status") == "Unknown":
+        return None, "", ""
+    ok = ready.get("status") == "True"
+    return (
+        ok,
+        ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
+        (ready.get("message") or ""),
+    )
+
+
 # ---- decisions -------------------------------------------------------------------------------
 
 

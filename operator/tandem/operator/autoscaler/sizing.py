@@ -25,93 +25,15 @@ limit misses nearly every request, not the tail.
 
 Live measurements correct the profile (:func:`correction`): the ratio of measured to
 predicted latency scales the profile's times, as Dynamo's planner does.
-
-:func:`stabilize` turns one recommendation into the replicas to set: scale up at once, scale
-down only past a hysteresis margin and to the highest recommendation of a stabilisation
-window, so a noisy load does not make pools flap (each flap is a cold engine start).
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from statistics import NormalDist
-from typing import Any
 
-
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float, flat: bool = False) -> float:
-    """Piecewise-linear through the points, extrapolated linearly past both ends (or held at
-    the end values with ``flat``)."""
-    if len(xs) == 1:
-        return ys[0]
-    if flat and not xs[0] <= x <= xs[-1]:
-        return ys[0] if x < xs[0] else ys[-1]
-    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-@dataclass(frozen=True)
-class EngineProfile:
-    """One engine replica's measured performance (``bench/`` writes it; a ConfigMap holds it).
-
-    ``prefill_tps[i]`` is prefill throughput in tokens/s for a prompt of ``prefill_isl[i]``
-    tokens; ``decode_step_s[i][j]`` is one decode step's seconds for a batch of
-    ``decode_batch[i]`` sequences whose context is ``decode_ctx[j]`` tokens.
-    """
-
-    prefill_isl: tuple[int, ...]
-    prefill_tps: tuple[float, ...]
-    decode_batch: tuple[int, ...]
-    decode_ctx: tuple[int, ...]
-    decode_step_s: tuple[tuple[float, ...], ...]
-    kv_cache_tokens: int
-    max_num_seqs: int
-    source: str = ""
-    startup_s: float = 60.0
-    """Seconds from a replica's creation to its first served request (scheduling, image,
-    model load): how far ahead of the load the planner must ask for one."""
-
-    def prefill_seconds(self, isl: float) -> float:
-        # throughput past the measured lengths is held, not extrapolated: a falling slope
-        # would reach zero, a rising one promise what was never measured
-        tps = _interp(self.prefill_isl, self.prefill_tps, isl, flat=True)
-        return isl / tps
-
-    def step_seconds(self, batch: float, ctx: float) -> float:
-        """Bilinear in (batch, context); never below the smallest measured step."""
-        by_ctx = [_interp(self.decode_ctx, row, ctx) for row in self.decode_step_s]
-        floor = min(min(row) for row in self.decode_step_s)
-        return max(_interp(self.decode_batch, by_ctx, batch), floor)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prefillIsl": list(self.prefill_isl),
-            "prefillTokensPerSecond": list(self.prefill_tps),
-            "decodeBatch": list(self.decode_batch),
-            "decodeContext": list(self.decode_ctx),
-            "decodeStepSeconds": [list(r) for r in self.decode_step_s],
-            "kvCacheTokens": self.kv_cache_tokens,
-            "maxNumSeqs": self.max_num_seqs,
-            "source": self.source,
-            "startupSeconds": self.startup_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineProfile:
-        return cls(
-            prefill_isl=tuple(int(x) for x in d["prefillIsl"]),
-            prefill_tps=tuple(float(x) for x in d["prefillTokensPerSecond"]),
-            decode_batch=tuple(int(x) for x in d["decodeBatch"]),
-            decode_ctx=tuple(int(x) for x in d["decodeContext"]),
-            decode_step_s=tuple(tuple(float(x) for x in r) for r in d["decodeStepSeconds"]),
-            kv_cache_tokens=int(d["kvCacheTokens"]),
-            max_num_seqs=int(d["maxNumSeqs"]),
-            source=str(d.get("source", "")),
-            startup_s=float(d.get("startupSeconds", 60.0)),
-        )
+from .profile import EngineProfile
 
 
 @dataclass(frozen=True)
@@ -152,15 +74,6 @@ class Correction:
 
     prefill: float = 1.0
     decode: float = 1.0
-
-
-@dataclass(frozen=True)
-class Bounds:
-    min_replicas: int
-    max_replicas: int
-
-    def clamp(self, n: int) -> int:
-        return min(max(n, self.min_replicas), self.max_replicas)
 
 
 @dataclass(frozen=True)
@@ -311,99 +224,3 @@ def _replicas(demand: float, per_replica: float) -> int:
     if demand <= 0:
         return 0
     return math.ceil(demand / per_replica - 1e-9) if per_replica > 0 else 1 << 30
-
-
-@dataclass(frozen=True)
-class Stabilization:
-    """How recommendations become replica changes (the HPA's ``behavior``, for the planner)."""
-
-    scale_down_window_s: float = 300.0
-    """Scale down only to the highest recommendation of this window."""
-    down_margin: float = 0.2
-    """Hysteresis: scale down only if the pool would still suffice at this much more load."""
-
-
-@dataclass(frozen=True)
-class PoolState:
-    """One pool's replicas and its recent recommendations ``(time, replicas)``, oldest first."""
-
-    replicas: int
-    history: tuple[tuple[float, int], ...] = ()
-
-
-def stabilize(
-    state: PoolState,
-    now: float,
-    at_load: int,
-    at_margin: int,
-    bounds: Bounds,
-    cfg: Stabilization = Stabilization(),
-) -> PoolState:
-    """The next state of one pool from the replicas needed at the load (``at_load``) and at
-    the load plus the hysteresis margin (``at_margin >= at_load``).
-
-    Up: at once to ``at_load``. Down: only when ``at_margin`` is below the current count,
-    and then to the highest ``at_margin`` seen within the window.
-    """
-    # A fresh state (operator start) remembers its current size as just recommended, so a
-    # restart or an empty first window never drops a pool before a full window has passed.
-    past = state.history or ((now, state.replicas),)
-    history = tuple((t, n) for t, n in past if now - t < cfg.scale_down_window_s) + (
-        (now, at_margin),
-    )
-    current = state.replicas
-    if at_load > current:
-        target = at_load
-    elif at_margin < current:
-        target = min(current, max(n for _, n in history))
-    else:
-        target = current
-    return PoolState(bounds.clamp(target), history)
-
-
-@dataclass(frozen=True)
-class PlannerState:
-    prefill: PoolState
-    decode: PoolState
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    slo: SloTarget
-    profile: EngineProfile
-    prefill_bounds: Bounds
-    decode_bounds: Bounds
-    stabilization: Stabilization = Stabilization()
-    interval_s: float = 15.0
-    """The control interval: a load change is seen up to this late."""
-    surge: float = 0.75
-    """:attr:`Headroom.surge`: the rate rise the running pools absorb during a start-up."""
-
-    def headroom(self) -> Headroom:
-        return Headroom(lead_s=self.profile.startup_s + self.interval_s, surge=self.surge)
-
-
-def step(
-    state: PlannerState, now: float, load: Load, cfg: PlannerConfig, corr: Correction = Correction()
-) -> tuple[PlannerState, Recommendation]:
-    """One planning round: the replicas both pools should run now, and the raw recommendation."""
-    rec = recommend(load, cfg.profile, cfg.slo, corr, cfg.headroom())
-    margin = recommend(
-        load.scaled(1.0 + cfg.stabilization.down_margin), cfg.profile, cfg.slo, corr, cfg.headroom()
-    )
-    return (
-        PlannerState(
-            prefill=stabilize(
-                state.prefill,
-                now,
-                rec.prefill,
-                margin.prefill,
-                cfg.prefill_bounds,
-                cfg.stabilization,
-            ),
-            decode=stabilize(
-                state.decode, now, rec.decode, margin.decode, cfg.decode_bounds, cfg.stabilization
-            ),
-        ),
-        rec,
-    )

@@ -1,4 +1,4 @@
-"""A role's autoscaler as Kubernetes objects, and its health as a condition. Pure.
+"""A role's autoscaler as Kubernetes objects. Pure.
 
 ``spec.<role>.autoscaling.backend`` picks who writes a pool's replicas:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec.autoscaling import Autoscaling
+from ..spec.autoscaling import Autoscaling
 
 Manifest = dict[str, Any]
 
@@ -37,16 +37,6 @@ COOLDOWN_SECONDS = 300
 """Idle time before KEDA scales a pool to zero: longer than a model load, so a pool that
 just woke up is not put back to sleep between two bursts."""
 SCALE_DOWN_WINDOW_SECONDS = 300
-
-
-def scrape_annotations(port: int) -> dict[str, str]:
-    """The ``prometheus.io/*`` pod annotations that annotation-based scrape configs follow
-    (where no Prometheus Operator runs; its PodMonitor, from the chart, ignores them)."""
-    return {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(port),
-        "prometheus.io/path": "/metrics",
-    }
 
 
 def queue_query(namespace: str, instance: str, role: str) -> str:
@@ -160,23 +150,3 @@ def autoscaler_objects(
     if a.backend == "KEDA":
         return [scaled_object(a, metadata, target, role, a.target_average_value)]
     return [horizontal_pod_autoscaler(a, metadata, target, hpa_metric, a.target_average_value)]
-
-
-# ---------------------------------------------------------------- health ----------------------
-
-
-def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
-    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
-    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
-    resolved its triggers and target. None while KEDA has not reported (or does not run).
-    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
-    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
-    ready = conditions.get("Ready")
-    if ready is None or ready.get("status") == "Unknown":
-        return None, "", ""
-    ok = ready.get("status") == "True"
-    return (
-        ok,
-        ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
-        (ready.get("message") or ""),
-    )

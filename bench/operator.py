@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from e2e.cluster import Cluster, bin_dir, missing_binaries  # noqa: E402
 from e2e.pools import operator_process  # noqa: E402
 from tandem.operator.kube import Kube, load_config  # noqa: E402
-from tandem.operator.render import render  # noqa: E402
+from tandem.operator.render.manifests import render  # noqa: E402
 from tandem.operator.spec.inference_service import load_inference_service  # noqa: E402
 
 

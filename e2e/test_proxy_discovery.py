@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from e2e.cluster import Cluster, wait_for
-from tandem.operator.render import render
+from tandem.operator.render.manifests import render
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.spec.roles import GPU_RESOURCE
 from tandem.operator.topology import engine_selector, plan

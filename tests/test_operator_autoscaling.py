@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tandem.operator.autoscaler.objects import demand_query, queue_query
-from tandem.operator.render import render
+from tandem.operator.render.manifests import render
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.status import AutoscalerSummary, Children, compute_status, scaled_object_health
 from tandem.operator.topology import plan

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.operator.render import RenderOptions, internal_credential_secret, render
+from tandem.operator.render.manifests import render
+from tandem.operator.render.options import RenderOptions
+from tandem.operator.render.security import internal_credential_secret
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.status import (
     Children,

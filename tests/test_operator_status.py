@@ -11,14 +11,10 @@ from typing import Any
 
 import pytest
 
-from tandem.operator.render import (
-    KV_LAYOUT_LABEL,
-    MODEL_CACHED_ANNOTATION,
-    RenderOptions,
-    cached_model_key,
-    merge_pod_template,
-    render,
-)
+from tandem.operator.render.manifests import render
+from tandem.operator.render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, cached_model_key
+from tandem.operator.render.options import RenderOptions
+from tandem.operator.render.pods import merge_pod_template
 from tandem.operator.status import (
     AutoscalerSummary,
     Children,

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from .render import DEFAULT_IMAGE, RenderOptions
+from .render.options import DEFAULT_IMAGE, RenderOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def _render(path: str, options: RenderOptions) -> int:
     import yaml
 
-    from .render import render
+    from .render.manifests import render
     from .spec.inference_service import load_inference_service
 
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()

@@ -33,16 +33,10 @@ from .autoscaler.loop import run_planner
 from .autoscaler.objects import KEDA_API_VERSION
 from .autoscaler.planner import PlannerState
 from .kube import Kube, KubeError
-from .render import (
-    MANAGER,
-    ROLE_LABEL,
-    RenderOptions,
-    cache_claim_name,
-    cached_model_key,
-    download_job_name,
-    internal_credential_secret,
-    render,
-)
+from .render.manifests import render
+from .render.meta import MANAGER, ROLE_LABEL, cache_claim_name, cached_model_key, download_job_name
+from .render.options import RenderOptions
+from .render.security import internal_credential_secret
 from .spec.inference_service import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
 from .spec.roles import GPU_RESOURCE
 from .status import (

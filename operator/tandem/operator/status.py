@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .render import (
+from .render.meta import (
     KV_LAYOUT_LABEL,
     MODEL_CACHED_ANNOTATION,
     ROLE_LABEL,

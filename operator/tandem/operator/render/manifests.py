@@ -1,0 +1,43 @@
+"""Every child of an InferenceService, in an order that applies cleanly. Pure."""
+
+from __future__ import annotations
+
+from ..autoscaler.objects import autoscaler_objects
+from ..spec.inference_service import InferenceService
+from ..topology import Topology, plan
+from .engines import engine_deployment, engine_service, pod_group
+from .meta import Manifest, object_meta, pool_name
+from .model import model_objects
+from .options import RenderOptions
+from .pods import pod_disruption_budget
+from .proxy import proxy_objects
+from .security import network_policy
+
+
+def render(
+    isvc: InferenceService,
+    options: RenderOptions = RenderOptions(),
+    topology: Topology | None = None,
+) -> list[Manifest]:
+    """Every child object of an InferenceService, in an order that applies cleanly."""
+    topology = topology or plan(isvc)
+    out = model_objects(isvc, topology, options)
+    out.append(network_policy(isvc, topology))
+    if options.gang_scheduling and topology.mode == "Disaggregated":
+        out.append(pod_group(isvc, topology))
+    for role in topology.roles:
+        if not role.is_engine:
+            out += proxy_objects(isvc, topology, role, options)
+            continue
+        out.append(engine_service(isvc, topology, role))
+        out.append(pod_disruption_budget(isvc, topology, role))
+        out += autoscaler_objects(
+            role.autoscaling,
+            object_meta(isvc, topology, pool_name(topology, role), "engine", role.role),
+            pool_name(topology, role),
+            role.role,
+            role.autoscaling.metric if role.autoscaling else "",
+        )
+        if options.model_ready or topology.model.kind != "hf":
+            out.append(engine_deployment(isvc, topology, role, options))
+    return out

@@ -1,0 +1,158 @@
+"""The proxy: its Deployment, the Service that is the OpenAI endpoint, and the RBAC its
+engine discovery needs. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..spec.inference_service import InferenceService
+from ..topology import RolePlan, Topology
+from .meta import Manifest, labels, object_meta, pool_name, proxy_service_name, selector_labels
+from .options import RenderOptions
+from .pods import (
+    GRACE_MARGIN_SECONDS,
+    container_resources,
+    container_security,
+    env_vars,
+    pod_disruption_budget,
+    pod_security,
+    scrape_annotations,
+)
+from .security import internal_credential_env
+
+
+def proxy_objects(
+    isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
+) -> list[Manifest]:
+    """The proxy Deployment, its Service (the OpenAI endpoint) and the RBAC its discovery needs."""
+    return [
+        *proxy_rbac(isvc, topology, pool_name(topology, role)),
+        proxy_deployment(isvc, topology, role, options),
+        proxy_service(isvc, topology),
+        pod_disruption_budget(isvc, topology, role),
+    ]
+
+
+def proxy_container(
+    isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
+) -> dict[str, Any]:
+    """``tandem proxy``; its keys reach it through the environment, never its argv."""
+    proxy = isvc.spec.proxy
+    args = [*role.args, "--host", "0.0.0.0", "--port", str(role.port)]
+    env: list[dict[str, Any]] = [*env_vars(role.env), internal_credential_env(topology)]
+    if proxy.api_key_secret:
+        # read from the environment by the proxy: never an argument, which ps would show
+        env.append(
+            {
+                "name": "TANDEM_PROXY_API_KEY",
+                "valueFrom": {
+                    "secretKeyRef": {
+                        "name": proxy.api_key_secret.name,
+                        "key": proxy.api_key_secret.key,
+                    }
+                },
+            }
+        )
+    container: dict[str, Any] = {
+        "name": "proxy",
+        "image": isvc.spec.engine.image or options.image,
+        "imagePullPolicy": isvc.spec.engine.image_pull_policy or options.image_pull_policy,
+        "args": args,
+        "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
+        "resources": container_resources(proxy.resources, 0, "proxy"),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+        },
+        "securityContext": container_security(),
+    }
+    container["env"] = env
+    return container
+
+
+def proxy_deployment(
+    isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
+) -> Manifest:
+    name = pool_name(topology, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+        "spec": {
+            "replicas": role.replicas,
+            "selector": {"matchLabels": selector_labels(topology, "proxy")},
+            "template": {
+                "metadata": {
+                    "labels": labels(topology, "proxy", "proxy"),
+                    "annotations": scrape_annotations(role.port),
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [proxy_container(isvc, topology, role, options)],
+                    "securityContext": pod_security(),
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": isvc.spec.engine.shutdown_timeout_seconds
+                    + GRACE_MARGIN_SECONDS,
+                },
+            },
+        },
+    }
+
+
+def proxy_service(isvc: InferenceService, topology: Topology) -> Manifest:
+    """The OpenAI endpoint, ``NAME.NAMESPACE.svc``, of the type and port that
+    ``spec.proxy.service`` asks for."""
+    service = isvc.spec.proxy.service
+    meta = object_meta(isvc, topology, proxy_service_name(topology), "proxy", "proxy")
+    if service.annotations:
+        meta["annotations"] = dict(service.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": service.type,
+            "selector": selector_labels(topology, "proxy"),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": service.port,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def proxy_rbac(isvc: InferenceService, topology: Topology, name: str) -> list[Manifest]:
+    """The proxy's ServiceAccount, and a Role to watch pods and EndpointSlices (its
+    discovery of the engines) bound to it."""
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+    }
+    rbac_role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            },
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": topology.namespace}],
+    }
+    return [account, rbac_role, binding]

@@ -9,7 +9,8 @@ import pytest
 from tandem.operator.autoscaler.objects import demand_query, queue_query
 from tandem.operator.render.manifests import render
 from tandem.operator.spec.inference_service import load_inference_service
-from tandem.operator.status import AutoscalerSummary, Children, compute_status, scaled_object_health
+from tandem.operator.status.children import AutoscalerSummary, Children, scaled_object_health
+from tandem.operator.status.compute import compute_status
 from tandem.operator.topology import plan
 
 SLO = {"ttftMs": 600, "itlMs": 25, "profileConfigMap": "llama-8b-h100"}

@@ -8,14 +8,8 @@ from tandem.operator.render.manifests import render
 from tandem.operator.render.options import RenderOptions
 from tandem.operator.render.security import internal_credential_secret
 from tandem.operator.spec.inference_service import load_inference_service
-from tandem.operator.status import (
-    Children,
-    DeploymentSummary,
-    JobSummary,
-    PodSummary,
-    as_patch,
-    compute_status,
-)
+from tandem.operator.status.children import Children, DeploymentSummary, JobSummary, PodSummary
+from tandem.operator.status.compute import as_patch, compute_status
 from tandem.operator.topology import plan
 
 UID = "0b5a6e0e-6f5b-4a57-9d55-7a0f4d8f3c11"

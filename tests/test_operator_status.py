@@ -15,20 +15,20 @@ from tandem.operator.render.manifests import render
 from tandem.operator.render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, cached_model_key
 from tandem.operator.render.options import RenderOptions
 from tandem.operator.render.pods import merge_pod_template
-from tandem.operator.status import (
+from tandem.operator.status.children import (
     AutoscalerSummary,
     Children,
     ClaimSummary,
     DeploymentSummary,
     Facts,
     PodSummary,
-    compute_status,
-    events,
-    model_ready,
     summarize_autoscaler,
     summarize_job,
     summarize_pod,
 )
+from tandem.operator.status.compute import compute_status
+from tandem.operator.status.conditions import model_ready
+from tandem.operator.status.events import events
 from tandem.operator.topology import plan
 
 from .test_operator_render import UID, isvc

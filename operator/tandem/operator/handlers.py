@@ -39,24 +39,21 @@ from .render.options import RenderOptions
 from .render.security import internal_credential_secret
 from .spec.inference_service import GROUP, PLURAL, VERSION, InferenceService, load_inference_service
 from .spec.roles import GPU_RESOURCE
-from .status import (
+from .status.children import (
     AutoscalerSummary,
     Children,
     Facts,
-    as_patch,
-    compute_status,
-    events,
-    model_ready,
-    parse_status,
     pod_role,
     scaled_object_health,
-    status_changed,
     summarize_autoscaler,
     summarize_claim,
     summarize_deployment,
     summarize_job,
     summarize_pod,
 )
+from .status.compute import as_patch, compute_status, parse_status, status_changed
+from .status.conditions import model_ready
+from .status.events import events
 from .topology import ENGINE_SELECTOR_LABEL, Topology, plan
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}

@@ -1,0 +1,195 @@
+"""What status is computed from: summaries of the children's bodies, and the operator's
+own facts. Pure: the kopf indexes keep these summaries, not the bodies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, ROLE_LABEL
+
+DOWNLOAD_ROLE = "download"
+
+
+@dataclass(frozen=True)
+class DeploymentSummary:
+    """What status needs from a Deployment; built from its body by :func:`summarize_deployment`."""
+
+    role: str
+    generation: int
+    observed_generation: int
+    desired: int
+    ready: int
+    updated: int
+    available: int
+    deadline_exceeded: bool = False
+
+
+@dataclass(frozen=True)
+class PodSummary:
+    role: str
+    ready: bool
+    unschedulable: str | None = None
+    """The scheduler's message when PodScheduled=False/Unschedulable."""
+    waiting_reason: str | None = None
+    """e.g. CrashLoopBackOff, ImagePullBackOff, CreateContainerConfigError."""
+    terminating: bool = False
+    waiting_message: str = ""
+    kv_layout: str | None = None
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    name: str
+    succeeded: bool
+    failed: bool
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ClaimSummary:
+    name: str
+    phase: str
+    storage_class: str | None = None
+    cached_model: str | None = None
+    """The model a finished download left in it (an annotation the operator writes)."""
+
+
+@dataclass(frozen=True)
+class AutoscalerSummary:
+    role: str
+    scaling_active: bool | None
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Children:
+    """An InferenceService's children; ``jobs`` holds only the current spec's download Job."""
+
+    deployments: list[DeploymentSummary] = field(default_factory=list)
+    pods: list[PodSummary] = field(default_factory=list)
+    jobs: list[JobSummary] = field(default_factory=list)
+    claims: list[ClaimSummary] = field(default_factory=list)
+    autoscalers: list[AutoscalerSummary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the operator itself knows, beside the children."""
+
+    apply_error: str | None = None
+    """The API server's message when the last apply failed."""
+    largest_node_gpus: int | None = None
+    """The most GPUs any node has allocatable (None: nodes not known yet)."""
+
+
+def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
+    spec, status, meta = (
+        body.get("spec") or {},
+        body.get("status") or {},
+        body.get("metadata") or {},
+    )
+    conditions = status.get("conditions") or []
+    return DeploymentSummary(
+        role=role,
+        generation=int(meta.get("generation") or 0),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        desired=int(spec["replicas"] if spec.get("replicas") is not None else 1),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        available=int(status.get("availableReplicas") or 0),
+        deadline_exceeded=any(
+            c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+            for c in conditions
+        ),
+    )
+
+
+def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:
+    status, meta = body.get("status") or {}, body.get("metadata") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = (conditions.get("Ready") or {}).get("status") == "True"
+    scheduled = conditions.get("PodScheduled") or {}
+    unschedulable = None
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = scheduled.get("message") or "Unschedulable"
+    waiting, waiting_message = None, ""
+    statuses = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for cs in statuses:
+        state = (cs.get("state") or {}).get("waiting") or {}
+        reason = state.get("reason")
+        if reason and reason not in ("ContainerCreating", "PodInitializing"):
+            waiting, waiting_message = reason, state.get("message") or ""
+    return PodSummary(
+        role=role,
+        ready=ready,
+        unschedulable=unschedulable,
+        waiting_reason=waiting,
+        terminating=bool(meta.get("deletionTimestamp")),
+        waiting_message=waiting_message,
+        kv_layout=(meta.get("labels") or {}).get(KV_LAYOUT_LABEL),
+    )
+
+
+def pod_role(labels: dict[str, str]) -> str | None:
+    """The pool a child pod belongs to: an engine/proxy role, or the model download."""
+    if labels.get("app.kubernetes.io/component") == "model-download":
+        return DOWNLOAD_ROLE
+    return labels.get(ROLE_LABEL)
+
+
+def summarize_job(body: dict[str, Any]) -> JobSummary:
+    status = body.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    failed = conditions.get("Failed") or {}
+    return JobSummary(
+        name=body["metadata"]["name"],
+        succeeded=(conditions.get("Complete") or {}).get("status") == "True"
+        or int(status.get("succeeded") or 0) > 0,
+        failed=failed.get("status") == "True",
+        message=" ".join(x for x in (failed.get("reason"), failed.get("message")) if x),
+    )
+
+
+def summarize_claim(body: dict[str, Any]) -> ClaimSummary:
+    meta = body.get("metadata") or {}
+    return ClaimSummary(
+        name=meta["name"],
+        phase=(body.get("status") or {}).get("phase") or "Pending",
+        storage_class=(body.get("spec") or {}).get("storageClassName"),
+        cached_model=(meta.get("annotations") or {}).get(MODEL_CACHED_ANNOTATION),
+    )
+
+
+def summarize_autoscaler(body: dict[str, Any], role: str) -> AutoscalerSummary:
+    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    active = conditions.get("ScalingActive")
+    if active is None:
+        return AutoscalerSummary(role, None)
+    return AutoscalerSummary(
+        role,
+        active.get("status") == "True",
+        active.get("reason") or "",
+        active.get("message") or "",
+    )
+
+
+def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
+    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
+    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
+    resolved its triggers and target. None while KEDA has not reported (or does not run).
+    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
+    conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready")
+    if ready is None or ready.get("status") == "Unknown":
+        return None, "", ""
+    ok = ready.get("status") == "True"
+    return (
+        ok,
+        ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
+        (ready.get("message") or ""),
+    )

@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from .handlers import OperatorOptions, operator_memo
+    from .handlers import operator_memo  # importing it registers kopf's handlers
     from .kube import load_config
+    from .state import OperatorOptions
 
     load_config(args.kubeconfig)  # sets the default client configuration that kopf's login uses
     namespaces = args.namespaces or [

@@ -1,0 +1,124 @@
+"""kopf's indexes: its watches of the children and the nodes, summarised, keyed by
+(namespace, InferenceService name), and read back as the status's inputs.
+
+kopf keeps each index in memory from its watches; the handlers receive every index as a
+keyword argument named by its id (:data:`INDEXES`). Only summaries are kept, never bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from .bodies import ISVC, plain_body
+from .render.meta import MANAGER, ROLE_LABEL, download_job_name
+from .spec.roles import GPU_RESOURCE
+from .state import Key
+from .status.children import (
+    AutoscalerSummary,
+    Children,
+    pod_role,
+    scaled_object_health,
+    summarize_autoscaler,
+    summarize_claim,
+    summarize_deployment,
+    summarize_job,
+    summarize_pod,
+)
+from .topology import ENGINE_SELECTOR_LABEL, Topology
+
+MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
+INDEXES = (
+    "child_deployments",
+    "child_pods",
+    "child_jobs",
+    "child_claims",
+    "child_autoscalers",
+    "child_scaledobjects",
+    "node_gpus",
+)
+
+
+@kopf.index(*ISVC, id="isvc_bodies")
+def isvc_bodies(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): plain_body(body)}
+
+
+def owner_of(labels: kopf.Labels) -> str | None:
+    return labels.get(ENGINE_SELECTOR_LABEL)
+
+
+@kopf.index("apps", "v1", "deployments", id="child_deployments", labels=MANAGED)
+def child_deployments(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    owner, role = owner_of(labels), labels.get(ROLE_LABEL)
+    return {(namespace, owner): summarize_deployment(dict(body), role)} if owner and role else {}
+
+
+@kopf.index("", "v1", "pods", id="child_pods", labels=MANAGED)
+def child_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    owner, role = owner_of(labels), pod_role(dict(labels))
+    return {(namespace, owner): summarize_pod(dict(body), role)} if owner and role else {}
+
+
+@kopf.index("batch", "v1", "jobs", id="child_jobs", labels=MANAGED)
+def child_jobs(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    owner = owner_of(labels)
+    return {(namespace, owner): summarize_job(dict(body))} if owner else {}
+
+
+@kopf.index("", "v1", "persistentvolumeclaims", id="child_claims", labels=MANAGED)
+def child_claims(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    owner = owner_of(labels)
+    return {(namespace, owner): summarize_claim(dict(body))} if owner else {}
+
+
+@kopf.index("autoscaling", "v2", "horizontalpodautoscalers", id="child_autoscalers", labels=MANAGED)
+def child_autoscalers(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    owner, role = owner_of(labels), labels.get(ROLE_LABEL)
+    return {(namespace, owner): summarize_autoscaler(dict(body), role)} if owner and role else {}
+
+
+@kopf.index("keda.sh", "v1alpha1", "scaledobjects", id="child_scaledobjects", labels=MANAGED)
+def child_scaledobjects(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    owner, role = owner_of(labels), labels.get(ROLE_LABEL)
+    if not (owner and role):
+        return {}
+    return {(namespace, owner): AutoscalerSummary(role, *scaled_object_health(dict(body)))}
+
+
+@kopf.index("", "v1", "nodes", id="node_gpus")
+def node_gpus(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Allocatable GPUs per node: a pod asking for more than the largest is Unschedulable."""
+    allocatable = (body.get("status") or {}).get("allocatable") or {}
+    return {None: int(allocatable.get(GPU_RESOURCE) or 0)}
+
+
+def children_of(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) -> Children:
+    job_name = download_job_name(topology) if topology.model.kind == "hf" else None
+    return Children(
+        deployments=list(indexes["child_deployments"].get(key, [])),
+        pods=list(indexes["child_pods"].get(key, [])),
+        jobs=[j for j in indexes["child_jobs"].get(key, []) if j.name == job_name],
+        claims=list(indexes["child_claims"].get(key, [])),
+        autoscalers=[
+            *indexes["child_autoscalers"].get(key, []),
+            *indexes["child_scaledobjects"].get(key, []),
+        ],
+    )
+
+
+def largest_node_gpus(indexes: dict[str, kopf.Index]) -> int | None:
+    """The most GPUs any node has allocatable; None while no node is known."""
+    gpus = list(indexes["node_gpus"].get(None, []))
+    return max(gpus) if gpus else None
+
+
+def index_kwargs(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
+    return {k: kwargs[k] for k in INDEXES}

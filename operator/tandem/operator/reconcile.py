@@ -1,0 +1,192 @@
+"""Reconcile one InferenceService: render, server-side apply, prune, and recompute its status.
+The I/O edge: everything it decides comes from the pure core (topology, render, status).
+
+Level-based: every reconcile renders the whole desired state from the spec and
+server-side applies it (a no-op when nothing changed), so a restart, a missed event or a
+hand-deleted child all converge the same way. Status is recomputed from the indexes of the
+children on each child event and after each apply, and written only when it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from .autoscaler.objects import KEDA_API_VERSION
+from .bodies import inference_service_of, plain_body
+from .indexes import children_of, index_kwargs, largest_node_gpus, owner_of
+from .kube import Kube, KubeError
+from .render.manifests import render
+from .render.meta import Manifest, cache_claim_name, cached_model_key
+from .render.options import RenderOptions
+from .render.security import internal_credential_secret
+from .spec.inference_service import InferenceService
+from .state import Key, OperatorOptions, OperatorState
+from .status.children import Children, Facts
+from .status.compute import as_patch, compute_status, parse_status, status_changed
+from .status.conditions import model_ready
+from .status.events import events
+from .topology import ENGINE_SELECTOR_LABEL, Topology, plan
+
+# Kinds that a spec change can make obsolete; the rest always exist for every spec.
+PRUNABLE = (
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("batch/v1", "Job"),
+    (KEDA_API_VERSION, "ScaledObject"),
+)
+
+log = logging.getLogger("tandem.operator")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _facts(state: OperatorState, key: Key, indexes: dict[str, kopf.Index]) -> Facts:
+    return Facts(
+        apply_error=state.apply_errors.get(key), largest_node_gpus=largest_node_gpus(indexes)
+    )
+
+
+def render_options(
+    options: OperatorOptions, isvc: InferenceService, topology: Topology, kids: Children
+) -> RenderOptions:
+    """The operator's render settings, plus what the children say about the model: whether
+    it is ready (engines may be rendered) and already cached (no download Job)."""
+    claim = next((c for c in kids.claims if c.name == cache_claim_name(isvc)), None)
+    return RenderOptions(
+        image=options.render.image,
+        image_pull_policy=options.render.image_pull_policy,
+        gang_scheduling=options.render.gang_scheduling,
+        model_ready=model_ready(isvc, topology, kids),
+        model_cached=topology.model.kind == "hf"
+        and claim is not None
+        and claim.cached_model == cached_model_key(topology),
+    )
+
+
+async def refresh_status(
+    state: OperatorState, key: Key, body: dict[str, Any], indexes: dict[str, kopf.Index]
+) -> None:
+    """Recompute status from the indexes, write it if it changed, post an Event per changed
+    condition."""
+    isvc = inference_service_of(body)
+    topology = plan(isvc)
+    previous = parse_status(body.get("status"))
+    observed = state.applied_generation.get(key, previous.observed_generation if previous else None)
+    new = compute_status(
+        isvc,
+        topology,
+        children_of(key, topology, indexes),
+        observed,
+        _now(),
+        previous,
+        _facts(state, key, indexes),
+    )
+    if not status_changed(previous, new):
+        return
+    kube = state.client()
+    await asyncio.to_thread(kube.patch_status, key[0], key[1], as_patch(new))
+    posted = state.posted.setdefault(key, {})
+    for event in events(previous, new):
+        if posted.get(event.condition) == (event.status, event.reason):
+            continue  # the index lagged our own write: posted already
+        posted[event.condition] = (event.status, event.reason)
+        await asyncio.to_thread(
+            kube.post_event, body, event.type, event.reason, event.message, _now()
+        )
+
+
+async def reconcile(
+    state: OperatorState,
+    body: kopf.Body | dict[str, Any],
+    namespace: str,
+    name: str,
+    indexes: dict[str, kopf.Index],
+    prune: bool,
+) -> None:
+    """Render the whole desired state and server-side apply it; a failed apply is recorded
+    for the status (the API server's message) and retried by kopf."""
+    key = (namespace, name)
+    body = plain_body(body)
+    isvc = inference_service_of(body)
+    topology = plan(isvc)
+    async with state.lock(key):
+        kids = children_of(key, topology, indexes)
+        manifests = render(isvc, render_options(state.options, isvc, topology, kids), topology)
+        # the engines' shared internal credential: created once, never rotated by a re-apply
+        credential = internal_credential_secret(isvc, topology, secrets.token_urlsafe(32))
+        try:
+            await asyncio.to_thread(
+                _apply_all, state.client(), credential, manifests, namespace, name, prune
+            )
+        except KubeError as exc:
+            state.apply_errors[key] = exc.message
+            await refresh_status(state, key, body, indexes)
+            raise kopf.TemporaryError(exc.message, delay=30) from None
+        state.apply_errors.pop(key, None)
+        generation = int(body["metadata"].get("generation") or 0)
+        state.applied_generation[key] = generation
+        log.info(
+            "[%s/%s] applied %d objects for generation %s",
+            namespace,
+            name,
+            len(manifests),
+            generation,
+        )
+        await refresh_status(state, key, body, indexes)
+
+
+def _apply_all(
+    kube: Kube,
+    credential: Manifest,
+    manifests: list[Manifest],
+    namespace: str,
+    name: str,
+    prune: bool,
+) -> None:
+    kube.create_if_absent(credential)
+    for manifest in manifests:
+        kube.apply(manifest)
+    if not prune:
+        return
+    wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    for api_version, kind in PRUNABLE:
+        selector = f"{ENGINE_SELECTOR_LABEL}={name}"
+        # ok_missing: KEDA's CRDs may not be installed
+        for existing in kube.list(api_version, kind, namespace, selector, ok_missing=True):
+            if (kind, existing["metadata"]["name"]) not in wanted:
+                kube.delete(
+                    {"apiVersion": api_version, "kind": kind, "metadata": existing["metadata"]}
+                )
+
+
+async def on_child_event(
+    event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, kwargs: Any
+) -> None:
+    owner = owner_of(labels)
+    bodies = kwargs["isvc_bodies"].get((namespace, owner), [])
+    if not owner or not bodies:
+        return
+    state: OperatorState = memo.state
+    key = (namespace, owner)
+    body = next(iter(bodies))
+    indexes = index_kwargs(kwargs)
+    if (event.get("object") or {}).get("kind") == "Job":
+        isvc = inference_service_of(body)
+        topology = plan(isvc)
+        kids = children_of(key, topology, indexes)
+        engines = {d.role for d in kids.deployments} - {"proxy"}
+        if model_ready(isvc, topology, kids) and not engines:
+            # the model is in the cache: now render the engines
+            await reconcile(state, body, namespace, owner, indexes, prune=False)
+            return
+    async with state.lock(key):
+        # The index may lag our own status write; refresh_status compares with it, which
+        # costs at most one redundant patch.
+        await refresh_status(state, key, body, indexes)

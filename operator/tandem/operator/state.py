@@ -1,0 +1,60 @@
+"""The operator's state: its options and the per-InferenceService bookkeeping every handler
+shares. kopf hands it to each handler as ``memo.state`` (``handlers.operator_memo``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from .autoscaler.planner import PlannerState
+from .kube import Kube
+from .render.options import RenderOptions
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    render: RenderOptions = RenderOptions()
+    resync_seconds: float = 60.0
+    peering: str | None = None
+    """kopf peering object for leader election among replicas; None runs standalone."""
+    namespaces: tuple[str, ...] = ()
+    """Watched namespaces; empty is cluster-wide (and a ClusterKopfPeering)."""
+    planner: bool = True
+    """Run the Planner backend's loop; off when something else drives
+    :func:`~.autoscaler.loop.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
+
+
+Key = tuple[str, str]
+
+
+@dataclass
+class OperatorState:
+    """The operator's state, shared by every handler through ``memo.state``."""
+
+    options: OperatorOptions
+    kube: Kube | None = None
+    applied_generation: dict[Key, int] = field(default_factory=dict)
+    apply_errors: dict[Key, str] = field(default_factory=dict)
+    """The API server's message for an InferenceService whose last apply failed."""
+    posted: dict[Key, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    """(status, reason) per condition type last posted as an Event: no repeats on resync."""
+    locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    planner: dict[Key, PlannerState] = field(default_factory=dict)
+    """The SLO planner's state (its stabilisation window) per InferenceService."""
+
+    def lock(self, key: Key) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+    def client(self) -> Kube:
+        assert self.kube is not None, "the client is created at startup"
+        return self.kube
+
+    def forget(self, key: Key) -> None:
+        for table in (
+            self.applied_generation,
+            self.apply_errors,
+            self.posted,
+            self.locks,
+            self.planner,
+        ):
+            table.pop(key, None)

@@ -15,6 +15,7 @@ from .render.options import DEFAULT_IMAGE, RenderOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the operator watches and the pods it renders; then how it runs."""
     parser.add_argument(
         "--kubeconfig",
         default=None,
@@ -47,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PodGroup API: feature gates GenericWorkload and GangScheduling, "
         "scheduling.k8s.io/v1alpha2 enabled; default: $TANDEM_GANG_SCHEDULING)",
     )
+    _runtime_arguments(parser)
+
+
+def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the operator runs: leader election, resync, the planner loop, liveness, logs."""
     parser.add_argument(
         "--peering",
         default=os.environ.get("TANDEM_PEERING") or None,

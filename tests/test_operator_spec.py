@@ -1,5 +1,5 @@
 """The InferenceService spec: defaults, every rule rejects what it should with its message,
-and the CRD in crds/ and in the Helm chart is exactly what spec.py generates."""
+and the CRD in crds/ and in the Helm chart is exactly what the spec package generates."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""status.py: every condition and reason a user sees, from the children's summaries.
+"""tandem.operator.status: every condition and reason a user sees, from the children's summaries.
 
 Each case states what exists in the cluster (Deployments, pods as the kubelet or the
 scheduler left them, the download Job, the cache claim, autoscalers) and checks the

@@ -1,8 +1,8 @@
 """A thin Kubernetes REST client: server-side apply, status patches, lists, deletes.
 
 The official client's typed models cost time and memory for nothing here: the operator
-already has plain manifests (``render.py``) and applies them as they are. This wraps the
-official client's configured connection (auth, TLS, proxies) and speaks JSON.
+already has plain manifests (``tandem.operator.render``) and applies them as they are. This
+wraps the official client's configured connection (auth, TLS, proxies) and speaks JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kubernetes import client, config
 
 FIELD_MANAGER = "tandem-operator"
 
-# apiVersion/kind -> plural; only the kinds render.py produces (and the InferenceService).
+# apiVersion/kind -> plural; only the kinds the render package produces (and the InferenceService).
 PLURALS = {
     "Deployment": "deployments",
     "Service": "services",

@@ -1,4 +1,5 @@
-"""``spec.<role>.autoscaling`` and ``spec.slo``: who sets a pool's replicas, and for what latency."""
+"""``spec.<role>.autoscaling`` and ``spec.slo``: who sets a pool's replicas, and for what
+latency."""
 
 from __future__ import annotations
 

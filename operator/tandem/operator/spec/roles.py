@@ -1,4 +1,5 @@
-"""``spec.prefill`` and ``spec.decode``: one engine pool's size, GPUs, scheduling and pod overrides."""
+"""``spec.prefill`` and ``spec.decode``: one engine pool's size, GPUs, scheduling and pod
+overrides."""
 
 from __future__ import annotations
 

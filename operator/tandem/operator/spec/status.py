@@ -1,4 +1,4 @@
-"""``status``: the schema of what the operator reports (``tandem.operator.status`` computes it)."""
+"""``status``: the schema of what the operator reports; ``tandem.operator.status`` computes it."""
 
 from __future__ import annotations
 

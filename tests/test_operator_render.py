@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+
+from tandem.operator.cli import add_arguments, run
 from tandem.operator.render.manifests import render
 from tandem.operator.render.options import RenderOptions
 from tandem.operator.render.security import internal_credential_secret
@@ -12,6 +18,7 @@ from tandem.operator.status.children import Children, DeploymentSummary, JobSumm
 from tandem.operator.status.compute import as_patch, compute_status
 from tandem.operator.topology import plan
 
+ROOT = Path(__file__).resolve().parents[1]
 UID = "0b5a6e0e-6f5b-4a57-9d55-7a0f4d8f3c11"
 
 
@@ -434,3 +441,30 @@ def test_internal_credential_secret_is_rendered_from_the_given_token() -> None:
     assert secret["stringData"] == {"internal-api-key": "tok"}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == UID
     assert ("Secret", "svc-internal") not in by_kind_name(render(spec))  # created once, not applied
+
+
+def test_a_retained_cache_renders_without_a_uid() -> None:
+    """``tandem operator --render`` renders a file's object, which has no uid yet: the
+    retained cache claim (no owner either way) must not need one."""
+    body = {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "svc", "namespace": "ml"},
+        "spec": {"model": {"name": "m", "uri": "hf://a/b", "cache": {"retain": True}}},
+    }
+    objs = by_kind_name(render(load_inference_service(body)))
+    claim = objs[("PersistentVolumeClaim", "svc-model-cache")]
+    assert "ownerReferences" not in claim["metadata"]
+
+
+@pytest.mark.parametrize(
+    "example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_operator_render_prints_every_example(example: Path, capsys) -> None:
+    """``tandem operator --render FILE`` (docs/operator.md) on each shipped example, a
+    multi-document one (a ConfigMap beside the service) included."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--render", str(example)])) == 0
+    kinds = {m["kind"] for m in yaml.safe_load_all(capsys.readouterr().out)}
+    assert {"Deployment", "Service"} <= kinds

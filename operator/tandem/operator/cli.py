@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(path: str, options: RenderOptions) -> int:
+    """Every InferenceService in the file (a multi-document file's other objects, a
+    ConfigMap beside it say, are the user's own and pass through unrendered)."""
     import yaml
 
     from .render.manifests import render
@@ -140,9 +142,18 @@ def _render(path: str, options: RenderOptions) -> int:
 
     text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     try:
-        isvc = load_inference_service(text)
-    except ValueError as exc:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        services = [load_inference_service(d) for d in docs if _is_inference_service(d)]
+    except (ValueError, yaml.YAMLError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    sys.stdout.write(yaml.safe_dump_all(render(isvc, options), sort_keys=False))
+    if not services:
+        print(f"{path}: no InferenceService in it", file=sys.stderr)
+        return 2
+    manifests = [m for isvc in services for m in render(isvc, options)]
+    sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
     return 0
+
+
+def _is_inference_service(doc: object) -> bool:
+    return not isinstance(doc, dict) or doc.get("kind", "InferenceService") == "InferenceService"

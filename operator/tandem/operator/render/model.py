@@ -81,7 +81,7 @@ def cache_claim(isvc: InferenceService, topology: Topology, options: RenderOptio
     retain = cache.retain if cache else True
     meta = object_meta(isvc, topology, cache_claim_name(isvc), "model-cache")
     if retain:  # no owner: the garbage collector leaves it when the service goes
-        del meta["ownerReferences"]
+        meta.pop("ownerReferences", None)  # rendered without a uid (--render) it has none
     if options.model_ready:
         meta["annotations"] = {MODEL_CACHED_ANNOTATION: cached_model_key(topology)}
     pvc_spec: dict[str, Any] = {

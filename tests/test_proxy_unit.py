@@ -8,7 +8,6 @@ import asyncio
 import httpx
 import pytest
 
-from tandem.server.api.auth import Credentials
 from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import ProxySettings, build_app
@@ -19,8 +18,9 @@ from tandem.server.proxy.registry import (
     PREFILL_ROLES,
     Registry,
     normalize_url,
-    parse_role,
 )
+from tandem.server.wire.auth import Credentials
+from tandem.server.wire.roles import parse_role
 
 
 # ----- routing ---------------------------------------------------------------------------------

@@ -27,8 +27,7 @@ import zmq
 
 from tandem.server.engine.kv_cache import KVCache
 from tandem.server.engine.kv_transfer import KVLayout
-
-from . import trust
+from tandem.server.wire import trust
 
 DEFAULT_TIMEOUT_S = 5.0
 

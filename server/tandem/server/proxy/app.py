@@ -23,23 +23,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 
-from tandem.server.api.auth import (
+from tandem.server.wire.auth import (
     PROXY_ADMIN_PATHS,
     PROXY_ADMIN_PREFIXES,
     AuthMiddleware,
     Credentials,
 )
-from tandem.server.api.body import JSONBodyGuard, ParsedJSONRoute, parsed_body
-from tandem.server.api.edge import (
+from tandem.server.wire.body import JSONBodyGuard, ParsedJSONRoute, parsed_body
+from tandem.server.wire.edge import (
     DEFAULT_MAX_TOKENS,
     EdgeSettings,
     install_edge,
     request_id_header,
 )
-from tandem.server.api.errors import APIError, error_response, install_error_handlers
-from tandem.server.api.mapping import request_owner, session_key
-from tandem.server.api.ollama import OLLAMA_VERSION, ollama_model
-from tandem.server.api.protocol import (
+from tandem.server.wire.errors import APIError, error_response, install_error_handlers
+from tandem.server.wire.ollama import OLLAMA_VERSION, ollama_model
+from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     METRICS_RESPONSES,
     SSE_RESPONSES,
@@ -60,6 +59,7 @@ from tandem.server.api.protocol import (
     UpdateWeightsRequest,
     streamed,
 )
+from tandem.server.wire.tenancy import request_owner, session_key
 
 from .node_address import NodeNetworks
 from .pd_flow import PATHS, FlowConfig, PDFlow

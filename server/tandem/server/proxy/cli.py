@@ -6,8 +6,8 @@ import argparse
 import logging
 import os
 
-from tandem.server.api.auth import add_credential_arguments, credentials_from_args
-from tandem.server.api.edge import add_edge_arguments, edge_from_args
+from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
+from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
 from .node_address import DEFAULT_NODE_NETWORKS, NodeNetworks, parse_networks
 from .pd_flow import FlowConfig

@@ -54,10 +54,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.server.api.edge import request_id_header
-from tandem.server.api.errors import APIError, ClientDisconnected, error_body, error_response
-from tandem.server.api.mapping import TENANT_HEADER, request_tenant
-from tandem.server.api.sse import SSE_HEADERS, error_event, ndjson_line
+from tandem.server.wire.edge import request_id_header
+from tandem.server.wire.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.wire.sse import SSE_HEADERS, error_event, ndjson_line
+from tandem.server.wire.tenancy import TENANT_HEADER, request_tenant
 
 from . import routing
 from .deadline import Deadline
@@ -97,7 +97,7 @@ PREFILL_SHARE = 0.5
 
 
 def tenant_header(request: Request) -> dict[str, str]:
-    """The caller's prefix-cache partition for the engine (``mapping.request_tenant``): the
+    """The caller's prefix-cache partition for the engine (``tenancy.request_tenant``): the
     engine sees only the proxy's internal credential, so the proxy names whose request it is,
     and every engine of a P/D pair salts its cache the same way."""
     tenant = request_tenant(request)

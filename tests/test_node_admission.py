@@ -14,10 +14,11 @@ import ipaddress
 import httpx
 import pytest
 
-from tandem.server.proxy.app import ProxySettings, build_app
+from tandem.server.proxy.app import build_app
 from tandem.server.proxy.node_address import NodeNetworks, parse_networks
 from tandem.server.proxy.pd_flow import FlowConfig
 from tandem.server.proxy.registry import normalize_url
+from tandem.server.proxy.state import ProxySettings
 from tandem.server.wire.auth import Credentials, key_owner
 from tandem.server.wire.trust import CHALLENGE_HEADER, PROOF_HEADER, node_proof
 

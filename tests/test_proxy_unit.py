@@ -10,7 +10,7 @@ import pytest
 
 from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
-from tandem.server.proxy.app import ProxySettings, build_app
+from tandem.server.proxy.app import build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
 from tandem.server.proxy.pd_flow import prefill_request
 from tandem.server.proxy.registry import (
@@ -19,6 +19,7 @@ from tandem.server.proxy.registry import (
     Registry,
     normalize_url,
 )
+from tandem.server.proxy.state import ProxySettings
 from tandem.server.wire.auth import Credentials
 from tandem.server.wire.roles import parse_role
 

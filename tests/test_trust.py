@@ -25,8 +25,8 @@ from tandem.server.engine import LLMEngine
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.kv_cache import KVCache
 from tandem.server.engine.kv_transfer import PullTask
-from tandem.server.proxy.app import ProxySettings
 from tandem.server.proxy.app import build_app as build_proxy
+from tandem.server.proxy.state import ProxySettings
 from tandem.server.wire import trust
 from tandem.server.wire.auth import Credentials, load_credentials
 

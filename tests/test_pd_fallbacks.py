@@ -48,6 +48,22 @@ def engine(url: str, body: dict[str, Any], *, handoff: bool = True) -> httpx.Res
     return httpx.Response(200, json={"choices": [{"text": f"from {url}"}]})
 
 
+def failing_at(
+    url: str, failure: httpx.Response | Exception, handoff_only: bool = False
+) -> Callable[[str, dict[str, Any]], httpx.Response]:
+    """Healthy engines, but ``url`` answers ``failure`` (or raises it): to every request, or
+    with ``handoff_only`` to the decode step's (one carrying P's handle) alone."""
+
+    def answer(at: str, body: dict[str, Any]) -> httpx.Response:
+        if at != url or (handoff_only and "kv_transfer_params" not in body):
+            return engine(at, body)
+        if isinstance(failure, Exception):
+            raise failure
+        return failure
+
+    return answer
+
+
 def _request() -> Request:
     async def receive() -> dict[str, Any]:  # the client never leaves
         await asyncio.sleep(3600)
@@ -94,12 +110,8 @@ def test_the_happy_path_is_prefill_then_decode() -> None:
 
 
 def test_prefills_refusal_of_the_request_is_the_answer() -> None:
-    def answer(url: str, body: dict[str, Any]) -> httpx.Response:
-        if url == P:
-            return httpx.Response(400, json={"error": {"message": "bad", "code": "invalid_value"}})
-        return engine(url, body)
-
-    engines = Engines(answer)
+    refusal = httpx.Response(400, json={"error": {"message": "bad", "code": "invalid_value"}})
+    engines = Engines(failing_at(P, refusal))
     flow = _flow(engines)
     status, body = _handle(flow)
     assert status == 400 and body["error"]["code"] == "invalid_value"
@@ -117,26 +129,15 @@ def test_no_handoff_runs_the_request_aggregated_on_its_decode_engine() -> None:
 
 
 def test_no_prefill_engine_answering_is_no_handoff_too() -> None:
-    def answer(url: str, body: dict[str, Any]) -> httpx.Response:
-        if url == P:
-            raise httpx.ConnectError("refused")
-        return engine(url, body)
-
-    flow = _flow(Engines(answer))
+    flow = _flow(Engines(failing_at(P, httpx.ConnectError("refused"))))
     status, _ = _handle(flow)
     assert status == 200 and _modes(flow) == {"aggregated_fallback": 1}
     assert flow.stats.prefill_failures == 1
 
 
 def test_a_failed_kv_pull_frees_ps_lease_suspects_p_and_runs_aggregated_on_d() -> None:
-    def answer(url: str, body: dict[str, Any]) -> httpx.Response:
-        if url == D1 and "kv_transfer_params" in body:
-            return httpx.Response(502, json={"error": {"message": "pull failed"}})
-        if url == P and body == {}:  # free_cache
-            return httpx.Response(200, json={})
-        return engine(url, body)
-
-    engines = Engines(answer)
+    pull_failed = httpx.Response(502, json={"error": {"message": "pull failed"}})
+    engines = Engines(failing_at(D1, pull_failed, handoff_only=True))
     flow = _flow(engines)
     status, body = _handle(flow)
     assert status == 200 and body["choices"][0]["text"] == f"from {D1}"
@@ -148,12 +149,7 @@ def test_a_failed_kv_pull_frees_ps_lease_suspects_p_and_runs_aggregated_on_d() -
 
 
 def test_no_decoder_taking_the_handoff_frees_p_and_runs_aggregated_elsewhere() -> None:
-    def answer(url: str, body: dict[str, Any]) -> httpx.Response:
-        if url == D1:
-            raise httpx.ConnectError("refused")
-        return engine(url, body)
-
-    engines = Engines(answer)
+    engines = Engines(failing_at(D1, httpx.ConnectError("refused")))
     flow = _flow(engines, decoders=(D1, D2), max_attempts=1, policy="round_robin")
     status, body = _handle(flow)
     assert status == 200 and body["choices"][0]["text"] == f"from {D2}"

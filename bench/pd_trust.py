@@ -35,7 +35,7 @@ def make_cache(num_blocks: int, args: argparse.Namespace) -> KVCache:
 
 def bench_keyed(args: argparse.Namespace) -> dict[str, float]:
     from tandem.server.disagg.transport import KVTransportClient, KVTransportServer
-    from tandem.server.disagg.trust import derive_key
+    from tandem.server.wire.trust import derive_key
 
     key = derive_key(SECRET, "kv-transport")
     n = args.blocks
@@ -65,8 +65,8 @@ def bench_keyed(args: argparse.Namespace) -> dict[str, float]:
 def bench_stall(args: argparse.Namespace) -> dict[str, float]:
     from tandem.server.disagg.puller import KVPuller
     from tandem.server.disagg.transport import KVTransportServer, layout_of
-    from tandem.server.disagg.trust import derive_key
     from tandem.server.engine.kv_transfer import PullTask
+    from tandem.server.wire.trust import derive_key
 
     key = derive_key(SECRET, "kv-transport")
     src, dst = make_cache(9, args), make_cache(9, args)

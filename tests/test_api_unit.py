@@ -11,18 +11,19 @@ from pydantic import ValidationError
 
 from tandem.server.api import mapping
 from tandem.server.api.app import build_app
-from tandem.server.api.errors import APIError
 from tandem.server.api.native_routes import ollama_sampling_params
 from tandem.server.api.ops_routes import format_uptime
-from tandem.server.api.protocol import (
+from tandem.server.api.state import ServerSettings
+from tandem.server.api.tool_parsers import tool_plan
+from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from tandem.server.wire import tenancy
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     OllamaOptions,
 )
-from tandem.server.api.state import ServerSettings
-from tandem.server.api.tool_parsers import tool_plan
-from tandem.server.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
 
 from .api_helpers import make_model
 
@@ -103,7 +104,7 @@ def test_chat_logprob_count_and_checks() -> None:
 
 
 def test_session_keys() -> None:
-    assert [mapping.session_key(v) for v in (None, "", -1, 0, 7, "abc")] == [
+    assert [tenancy.session_key(v) for v in (None, "", -1, 0, 7, "abc")] == [
         None,
         None,
         None,

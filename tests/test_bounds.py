@@ -15,13 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.server.api.errors import APIError
 from tandem.server.api.generation import _await_compile
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.grammar_limits import GrammarError, check_size
 from tandem.server.engine.structured import GrammarCache, GrammarSpec
 from tandem.server.logsafe import EscapeControls, escape_controls
+from tandem.server.wire.errors import APIError
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
 from .test_engine_api import drain

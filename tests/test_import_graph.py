@@ -2,8 +2,9 @@
 
 Every ``import`` and ``from ... import`` in every module (function-level ones included,
 relative ones resolved) is an edge between the packages named in the issue: engine, disagg,
-api, proxy and operator. The graph must have no cycle, and the engine imports none of the
-packages that do I/O for it.
+api, wire, proxy and operator. The graph must have no cycle, the engine imports none of the
+packages that do I/O for it, the HTTP vocabulary (wire) is a leaf, and the proxy speaks only
+that vocabulary (never the engine, its server or the KV transport).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ PACKAGES = {
     "tandem.server.engine": "engine",
     "tandem.server.disagg": "disagg",
     "tandem.server.api": "api",
+    "tandem.server.wire": "wire",
     "tandem.server.proxy": "proxy",
     "tandem.operator": "operator",
 }
@@ -97,6 +99,27 @@ def test_no_import_cycles_among_the_packages() -> None:
 
 def test_the_engine_imports_no_io_package() -> None:
     assert package_graph()["engine"] == set()
+
+
+def test_the_wire_vocabulary_is_a_leaf() -> None:
+    assert package_graph()["wire"] == set()
+
+
+def test_the_proxy_imports_only_the_wire_vocabulary() -> None:
+    assert package_graph()["proxy"] == {"wire"}
+
+
+def test_the_wire_imports_no_tandem_module_but_its_own_and_logsafe() -> None:
+    """Finer than the package graph: not even a top-level module of ``tandem.server`` that
+    could pull a package in, only the log-escaping helper the edge uses."""
+    root = ROOT / "server"
+    allowed = ("tandem.server.wire", "tandem.server.logsafe")
+    for path in (root / "tandem" / "server" / "wire").rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        parts = list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for target in imports_of(path, ".".join(parts)):
+            if target.startswith("tandem"):
+                assert target.startswith(allowed), f"{path.name} imports {target}"
 
 
 def test_find_cycle_finds_one() -> None:

@@ -14,12 +14,13 @@ import ipaddress
 import httpx
 import pytest
 
-from tandem.server.api.auth import Credentials, key_owner
-from tandem.server.disagg.trust import CHALLENGE_HEADER, PROOF_HEADER, node_proof
-from tandem.server.proxy.app import ProxySettings, build_app
+from tandem.server.proxy.app import build_app
 from tandem.server.proxy.node_address import NodeNetworks, parse_networks
 from tandem.server.proxy.pd_flow import FlowConfig
 from tandem.server.proxy.registry import normalize_url
+from tandem.server.proxy.state import ProxySettings
+from tandem.server.wire.auth import Credentials, key_owner
+from tandem.server.wire.trust import CHALLENGE_HEADER, PROOF_HEADER, node_proof
 
 INTERNAL, ADMIN = "sk-internal-nodes", "sk-admin-nodes"
 AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}

@@ -256,7 +256,9 @@ def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
     from tandem.operator.autoscaler.metrics import queries
     from tandem.server.api.engine_loop import AsyncEngine
     from tandem.server.api.metrics import ServerMetrics
-    from tandem.server.proxy.app import ProxySettings, _ProxyCollector, build_app
+    from tandem.server.proxy.app import build_app
+    from tandem.server.proxy.metrics import ProxyCollector
+    from tandem.server.proxy.state import ProxySettings
 
     loop = AsyncEngine(lambda: None)  # never started: its counters are the collector's input
     engine = ServerMetrics("m", lambda: loop)
@@ -267,7 +269,7 @@ def test_planner_queries_name_metrics_the_engine_and_proxy_export() -> None:
     proxy_reg = CollectorRegistry()
     proxy_state = build_app(ProxySettings()).state.proxy
     proxy_state.flow.stats.count("/v1/completions", "disaggregated", 200)
-    proxy_reg.register(_ProxyCollector(proxy_state))
+    proxy_reg.register(ProxyCollector(proxy_state))
     exported = engine.render().decode() + generate_latest(proxy_reg).decode()
     declared = {line.split(" ")[2] for line in exported.splitlines() if line.startswith("# TYPE")}
     for query in queries("ns", "svc").values():

@@ -8,10 +8,9 @@ import asyncio
 import httpx
 import pytest
 
-from tandem.server.api.auth import Credentials
 from tandem.server.api.registration import node_body
 from tandem.server.proxy import routing
-from tandem.server.proxy.app import ProxySettings, build_app
+from tandem.server.proxy.app import build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
 from tandem.server.proxy.pd_flow import prefill_request
 from tandem.server.proxy.registry import (
@@ -19,8 +18,10 @@ from tandem.server.proxy.registry import (
     PREFILL_ROLES,
     Registry,
     normalize_url,
-    parse_role,
 )
+from tandem.server.proxy.state import ProxySettings
+from tandem.server.wire.auth import Credentials
+from tandem.server.wire.roles import parse_role
 
 
 # ----- routing ---------------------------------------------------------------------------------

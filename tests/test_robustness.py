@@ -22,7 +22,8 @@ import pytest
 from tandem.server.api.chat_history import ChatHistories
 from tandem.server.engine import LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
-from tandem.server.proxy.app import ProxySettings, build_app
+from tandem.server.proxy.app import build_app
+from tandem.server.proxy.state import ProxySettings
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, held, wait_until
 from .test_engine_api import drain

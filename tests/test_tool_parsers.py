@@ -9,8 +9,6 @@ import json
 import pytest
 
 from tandem.server.api.chat_choice import ChoiceStream, chat_message
-from tandem.server.api.errors import APIError
-from tandem.server.api.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.server.api.reasoning import split_qwen3
 from tandem.server.api.structured import request_spec
 from tandem.server.api.tool_parsers import (
@@ -21,6 +19,8 @@ from tandem.server.api.tool_parsers import (
     parser_for_template,
     tool_plan,
 )
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 HERMES = (
     "Let me check.<tool_call>\n"

@@ -18,17 +18,17 @@ import zmq
 from fastapi.testclient import TestClient
 
 from tandem.server.api.app import build_app, transport_key
-from tandem.server.api.auth import Credentials, load_credentials
 from tandem.server.api.state import ServerSettings
-from tandem.server.disagg import trust
 from tandem.server.disagg.puller import KVPuller
 from tandem.server.disagg.transport import KVTransportClient, KVTransportServer, TransportError
 from tandem.server.engine import LLMEngine
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.kv_cache import KVCache
 from tandem.server.engine.kv_transfer import PullTask
-from tandem.server.proxy.app import ProxySettings
 from tandem.server.proxy.app import build_app as build_proxy
+from tandem.server.proxy.state import ProxySettings
+from tandem.server.wire import trust
+from tandem.server.wire.auth import Credentials, load_credentials
 
 from .api_helpers import wait_until
 from .test_proxy_unit import _call

@@ -12,6 +12,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from tandem.server.engine import LLMEngine
+from tandem.server.wire.auth import AuthMiddleware
+from tandem.server.wire.body import JSONBodyGuard
+from tandem.server.wire.edge import install_edge
+from tandem.server.wire.errors import install_error_handlers
+from tandem.server.wire.protocol import ERROR_RESPONSES
 
 from . import (
     distserve_routes,
@@ -23,14 +28,9 @@ from . import (
     token_routes,
     weights_routes,
 )
-from .auth import AuthMiddleware
-from .body import JSONBodyGuard
 from .chat_history import ChatHistories
-from .edge import install_edge
 from .engine_loop import AsyncEngine
-from .errors import install_error_handlers
 from .metrics import ServerMetrics
-from .protocol import ERROR_RESPONSES
 from .state import ServerSettings, ServerState
 
 log = logging.getLogger("tandem.api")
@@ -127,7 +127,7 @@ def build_app(
 
 
 def transport_key(internal_api_key: str | None) -> bytes | None:
-    from tandem.server.disagg.trust import derive_key
+    from tandem.server.wire.trust import derive_key
 
     return derive_key(internal_api_key, "kv-transport") if internal_api_key else None
 

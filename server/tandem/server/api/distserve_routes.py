@@ -7,8 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field
 
-from .errors import APIError
-from .protocol import ERROR_RESPONSES, APIModel
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import ERROR_RESPONSES, APIModel
+
 from .state import get_state
 
 P2P_CONNECT_TIMEOUT_S = 5.0

@@ -15,18 +15,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tandem.server.engine import PoolingParams, RequestOutput, SamplingParams
-
-from .body import ParsedJSONRoute
-from .errors import APIError
-from .generation import new_id, off_loop, submit, tokenize_text
-from .mapping import request_tenant
-from .protocol import (
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     EmbeddingRequest,
     EmbeddingResponse,
     PoolingRequest,
     PoolingResponse,
 )
+from tandem.server.wire.tenancy import request_tenant
+
+from .generation import new_id, off_loop, submit, tokenize_text
 from .state import ServerState, get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)

@@ -98,7 +98,7 @@ class _Add:
     future: concurrent.futures.Future
     kv_transfer: dict[str, Any] | None = None
     pooling: PoolingParams | None = None
-    # The prefix-cache partition: the caller's key (mapping.request_tenant) and cache_salt.
+    # The prefix-cache partition: the caller's key (tenancy.request_tenant) and cache_salt.
     tenant: str | None = None
     cache_salt: str | None = None
 

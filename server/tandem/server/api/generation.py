@@ -27,10 +27,10 @@ from tandem.server.engine import (
     SamplingParams,
 )
 from tandem.server.engine.structured import GrammarError, GrammarSpec
+from tandem.server.wire.errors import APIError, ClientDisconnected
 
 from . import mapping
 from .engine_loop import EngineNotReadyError, EngineStepError, QueueFullError
-from .errors import APIError, ClientDisconnected
 from .state import ServerState
 
 DISCONNECT_POLL_S = 0.5
@@ -275,7 +275,7 @@ async def submit(
 ) -> Job:
     """Add one engine request per prompt; if any is refused, abort the ones already added.
     With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``).
-    ``tenant`` (``mapping.request_tenant``) and ``cache_salt`` name the prefix-cache partition
+    ``tenant`` (``tenancy.request_tenant``) and ``cache_salt`` name the prefix-cache partition
     its blocks are shared in, so one key never hits (or learns of) another's prompts.
     ``client``, when given, is watched while its grammar compiles (it may leave)."""
     state.check_admitting()

@@ -1,5 +1,5 @@
 """The P/D handoff at an engine's edge: who may send ``kv_transfer_params``, and signing the
-handle a prefill engine hands out (``disagg/trust.py``, ``docs/security.md``)."""
+handle a prefill engine hands out (``wire/trust.py``, ``docs/security.md``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 from fastapi import Request
 
-from tandem.server.disagg.trust import derive_key, handle_problem, sign_handle
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.trust import derive_key, handle_problem, sign_handle
 
-from .errors import APIError
 from .state import ServerState
 
 

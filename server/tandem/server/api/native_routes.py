@@ -12,19 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tandem.server.engine import SamplingParams
-
-from . import mapping
-from .body import ParsedJSONRoute
-from .errors import APIError
-from .generation import (
-    Job,
-    new_id,
-    off_loop,
-    render_chat,
-    submit,
-    tokenize_text,
-)
-from .protocol import (
+from tandem.server.wire import tenancy
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     SSE_RESPONSES,
     AbortRequest,
@@ -37,7 +28,17 @@ from .protocol import (
     OllamaOptions,
     streamed,
 )
-from .sse import DONE, SSE_HEADERS, ndjson_line, sse_event
+from tandem.server.wire.sse import DONE, SSE_HEADERS, ndjson_line, sse_event
+
+from . import mapping
+from .generation import (
+    Job,
+    new_id,
+    off_loop,
+    render_chat,
+    submit,
+    tokenize_text,
+)
 from .state import get_state
 from .structured import ollama_format_spec
 
@@ -92,8 +93,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         [prompt],
         params,
         stream=bool(body.stream),
-        session_id=mapping.session_key(body.session_id, mapping.request_owner(request)),
-        tenant=mapping.request_tenant(request),
+        session_id=tenancy.session_key(body.session_id, tenancy.request_owner(request)),
+        tenant=tenancy.request_tenant(request),
         client=request,
     )
     want = bool(body.return_logprob)
@@ -139,16 +140,16 @@ async def encode(body: EncodeRequest, request: Request) -> dict[str, Any]:
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """Abort the requests of one session, or every request in flight with ``abort_all``."""
     state = get_state(request)
-    session = mapping.session_key(body.session_id, mapping.request_owner(request))
+    session = tenancy.session_key(body.session_id, tenancy.request_owner(request))
     if not body.abort_all and session is None:
         raise APIError(
             400, "give a session_id or abort_all: true", param="session_id", code="invalid_value"
         )
     if state.engine.state != "ready":
         return {"aborted": 0}
-    owner = mapping.request_owner(request)
+    owner = tenancy.request_owner(request)
     n = await state.engine.abort_matching(
-        None if body.abort_all else lambda key: mapping.same_session(key, session, owner)
+        None if body.abort_all else lambda key: tenancy.same_session(key, session, owner)
     )
     return {"aborted": n}
 
@@ -292,7 +293,7 @@ async def _ollama_run(
         [prompt],
         params,
         stream=stream,
-        tenant=mapping.request_tenant(request),
+        tenant=tenancy.request_tenant(request),
         client=request,
     )
     if stream:

@@ -1,39 +1,19 @@
-"""Ollama's model routes (``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``) and the
-shape of one model entry, shared with the proxy (which answers the lists from its registry)."""
+"""Ollama's model routes (``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``) for the
+one served model; the entry's shape is ``wire.ollama``'s, shared with the proxy."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from .body import ParsedJSONRoute
-from .protocol import ERROR_RESPONSES, OllamaShowRequest
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.ollama import OLLAMA_VERSION, ollama_model
+from tandem.server.wire.protocol import ERROR_RESPONSES, OllamaShowRequest
+
 from .state import get_state
 
-# The Ollama API version these routes follow (the client only checks that one is reported).
-OLLAMA_VERSION = "0.6.0"
-
 router = APIRouter(route_class=ParsedJSONRoute)
-
-
-def ollama_model(name: str, modified: datetime | None = None) -> dict[str, Any]:
-    """One ``/api/tags`` or ``/api/ps`` entry. Sizes and digests are Ollama's blob bookkeeping,
-    which Tandem has no counterpart for: reported as 0 and empty."""
-    return {
-        "name": name,
-        "model": name,
-        "modified_at": (modified or datetime.now(UTC)).isoformat(),
-        "size": 0,
-        "digest": "",
-        "details": {
-            "format": "safetensors",
-            "family": "",
-            "parameter_size": "",
-            "quantization_level": "",
-        },
-    }
 
 
 @router.get("/api/tags")

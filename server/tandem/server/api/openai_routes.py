@@ -13,14 +13,10 @@ from fastapi.responses import StreamingResponse
 
 from tandem.server.engine.sampling_params import SamplingParams
 from tandem.server.engine.structured import GrammarSpec
-
-from . import mapping, structured
-from .body import ParsedJSONRoute
-from .chat_choice import ChoiceStream, chat_message
-from .errors import APIError
-from .generation import Job, new_id, off_loop, submit, tokenize_text
-from .handoff import check_kv_transfer, signed
-from .protocol import (
+from tandem.server.wire import tenancy
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     SSE_RESPONSES,
     ChatCompletionRequest,
@@ -29,8 +25,13 @@ from .protocol import (
     CompletionResponse,
     ModelList,
 )
+from tandem.server.wire.sse import DONE, SSE_HEADERS, error_event, sse_event
+
+from . import mapping, structured
+from .chat_choice import ChoiceStream, chat_message
+from .generation import Job, new_id, off_loop, submit, tokenize_text
+from .handoff import check_kv_transfer, signed
 from .reasoning import THINK_END
-from .sse import DONE, SSE_HEADERS, error_event, sse_event
 from .state import ServerState, get_state
 from .tool_parsers import Parser, parser_for_template, tool_plan
 from .weights_routes import weights_info
@@ -88,7 +89,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools, reasoning, spec = _chat_plan(state, body)
     if spec is not None:
         params = params.clone(structured=spec)
-    session = mapping.session_key(body.session_id, mapping.request_owner(request))
+    session = tenancy.session_key(body.session_id, tenancy.request_owner(request))
     raw_prompt = (
         isinstance(body.messages, str) and body.do_preprocess is False
     )  # no template, no history
@@ -165,7 +166,7 @@ async def _submit(
         stream=bool(body.stream),
         session_id=session,
         kv_transfer=body.kv_transfer_params,
-        tenant=mapping.request_tenant(request),
+        tenant=tenancy.request_tenant(request),
         cache_salt=body.cache_salt,
         client=request,
     )
@@ -311,7 +312,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for p in prompts
     ]
     request_id = new_id("cmpl", request)
-    session = mapping.session_key(body.session_id, mapping.request_owner(request))
+    session = tenancy.session_key(body.session_id, tenancy.request_owner(request))
     if session is not None and len(prompts) > 1:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
@@ -438,7 +439,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     """Free a session's KV blocks now (idle sessions also expire on their own)."""
     state = get_state(request)
     state.check_admitting()
-    key = mapping.session_key(session_id, mapping.request_owner(request)) or session_id
+    key = tenancy.session_key(session_id, tenancy.request_owner(request)) or session_id
     deleted = await state.engine.call(lambda e: e.sessions.delete(key))
     deleted = state.histories.drop(key) or deleted
     if not deleted:

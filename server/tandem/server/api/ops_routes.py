@@ -9,12 +9,17 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from tandem.server.disagg.trust import CHALLENGE_HEADER, MAX_NONCE_LEN, PROOF_HEADER, node_proof
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
+    ERROR_RESPONSES,
+    METRICS_RESPONSES,
+    ErrorResponse,
+    HealthResponse,
+)
+from tandem.server.wire.trust import CHALLENGE_HEADER, MAX_NONCE_LEN, PROOF_HEADER, node_proof
 
-from .errors import APIError
 from .generation import api_error
 from .metrics import CONTENT_TYPE
-from .protocol import ERROR_RESPONSES, METRICS_RESPONSES, ErrorResponse, HealthResponse
 from .state import ServerState, get_state
 from .weights_routes import weights_info
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
+from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
-from .auth import add_credential_arguments, credentials_from_args
-from .edge import add_edge_arguments, edge_from_args
 from .reasoning import PARSERS as REASONING_PARSERS
 from .state import ROLES, ServerSettings
 from .tool_parsers import PARSERS as TOOL_PARSERS

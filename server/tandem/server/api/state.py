@@ -13,11 +13,12 @@ from typing import Any
 
 from fastapi import Request
 
-from .auth import Credentials
+from tandem.server.wire.auth import Credentials
+from tandem.server.wire.edge import DEFAULT_MAX_TOKENS, EdgeSettings
+from tandem.server.wire.errors import APIError
+
 from .chat_history import ChatHistories
-from .edge import DEFAULT_MAX_TOKENS, EdgeSettings
 from .engine_loop import READY, AsyncEngine
-from .errors import APIError
 from .metrics import ServerMetrics
 
 ROLES = ("both", "prefill", "decode")

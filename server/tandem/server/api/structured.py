@@ -10,9 +10,8 @@ import json
 from typing import Any
 
 from tandem.server.engine.structured import GrammarSpec
-
-from .errors import APIError
-from .protocol import ResponseFormat, SamplingFields
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import ResponseFormat, SamplingFields
 
 _STRUCTURED_OUTPUT_KEYS = {
     "json": "json_schema",

@@ -6,11 +6,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from .body import ParsedJSONRoute
-from .errors import APIError
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
+
 from .generation import off_loop, render_chat_text, tokenize_text
 from .mapping import chat_messages
-from .protocol import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 from .state import ServerState, get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)

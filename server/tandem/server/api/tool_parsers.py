@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.server.engine.structured import GrammarSpec
-
-from .errors import APIError
-from .protocol import Tool
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import Tool
 
 PARSERS = ("hermes", "llama3_json")
 _CALL_HEAD = re.compile(

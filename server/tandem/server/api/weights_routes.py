@@ -20,12 +20,17 @@ from fastapi import APIRouter, Request
 
 from tandem.server.engine.models.config import ModelLoadError, WeightsMismatchError
 from tandem.server.engine.weights import check_compatible, check_format
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.protocol import (
+    ERROR_RESPONSES,
+    ErrorResponse,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
 
-from .body import ParsedJSONRoute
 from .engine_loop import EngineNotReadyError, UpdateInProgressError
-from .errors import APIError
 from .generation import api_error
-from .protocol import ERROR_RESPONSES, ErrorResponse, UpdateWeightsRequest, UpdateWeightsResponse
 from .state import ServerState, get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)

@@ -8,7 +8,7 @@ sent without a copy from a reused staging buffer (pinned when the cache is on a 
 server gathers layer i+1 while layer i is on the wire, and the client scatters each layer
 into its blocks as it arrives, so the gather, the transfer and the scatter overlap.
 
-With a transport key (derived from the internal credential, ``trust.py``) every request
+With a transport key (derived from the internal credential, ``wire/trust.py``) every request
 carries a nonce and a MAC and every answer's first message a MAC bound to that nonce: the
 server answers only peers holding the secret, and the client reads only from such a server.
 A silent or dead peer costs a client ``timeout_s`` (a few seconds) per message, no more.
@@ -27,8 +27,7 @@ import zmq
 
 from tandem.server.engine.kv_cache import KVCache
 from tandem.server.engine.kv_transfer import KVLayout
-
-from . import trust
+from tandem.server.wire import trust
 
 DEFAULT_TIMEOUT_S = 5.0
 

@@ -6,12 +6,13 @@ import argparse
 import logging
 import os
 
-from tandem.server.api.auth import add_credential_arguments, credentials_from_args
-from tandem.server.api.edge import add_edge_arguments, edge_from_args
+from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
+from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
 from .node_address import DEFAULT_NODE_NETWORKS, NodeNetworks, parse_networks
 from .pd_flow import FlowConfig
 from .routing import POLICIES
+from .state import ProxySettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the key the engines require, when it is not the internal credential (default: "
         "$TANDEM_ENGINE_API_KEY, else the internal credential)",
     )
+    _add_node_arguments(parser)
+    _add_routing_arguments(parser)
+    _add_health_arguments(parser)
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the engines come from: static flags, registration, Kubernetes discovery."""
     parser.add_argument(
         "--node",
         action="append",
@@ -57,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--selector", default="tandem.dev/role", help="label selector for engine pods"
     )
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which engine serves a request, and whether it runs prefill -> decode."""
     parser.add_argument(
         "--disagg-threshold",
         type=int,
@@ -72,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="score",
         help="score: prefix affinity minus load; least_load; round_robin",
     )
+
+
+def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
+    """When an engine counts as down, stalled or gone, and how long a request waits for it."""
     parser.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between /health polls"
     )
@@ -108,9 +127,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds an engine may take to answer"
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
 
 
 def _namespace(given: str | None) -> str:
@@ -128,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.server.logsafe import configure_logging
 
-    from .app import ProxySettings, build_app
-    from .discovery import kubernetes_discovery, parse_node_flag
+    from .app import build_app
+    from .discovery import parse_node_flag
 
     configure_logging(args.log_level)
     try:
@@ -138,36 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tandem.proxy").error("bad --node or --allow-node-networks: %s", exc)
         return 2
-    credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
-    flow = FlowConfig(
-        disagg_threshold=args.disagg_threshold,
-        policy=args.policy,
-        engine_api_key=args.engine_api_key
-        or os.environ.get("TANDEM_ENGINE_API_KEY")
-        or credentials.internal_key,
-        max_attempts=max(1, args.max_attempts),
-        request_timeout=args.request_timeout,
-        stall_timeout=max(0.5, args.stall_timeout),
-    )
-    discovery = (
-        kubernetes_discovery(_namespace(args.namespace), args.selector)
-        if args.discovery == "kubernetes"
-        else None
-    )
-    settings = ProxySettings(
-        credentials=credentials,
-        flow=flow,
-        static_nodes=nodes,
-        health_interval=args.health_interval,
-        dead_threshold=args.dead_threshold,
-        startup_grace=args.startup_grace,
-        forget_after=args.forget_after,
-        discovery=discovery,
-        edge=edge_from_args(args),
-        default_max_tokens=args.default_max_tokens or None,
-        node_networks=networks,
-    )
-    app = build_app(settings)
+    app = build_app(_settings(args, nodes, networks))
     logging.getLogger("tandem.proxy").info(
         "proxy on %s:%d with %d static node(s), discovery %s",
         args.host,
@@ -184,3 +171,41 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def _settings(
+    args: argparse.Namespace, nodes: list[tuple[str, str]], networks: NodeNetworks
+) -> ProxySettings:
+    """The app's settings from the flags and the environment (keys from the environment or
+    files, never only from arguments that show in ``ps``)."""
+    from .discovery import kubernetes_discovery
+
+    credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
+    flow = FlowConfig(
+        disagg_threshold=args.disagg_threshold,
+        policy=args.policy,
+        engine_api_key=args.engine_api_key
+        or os.environ.get("TANDEM_ENGINE_API_KEY")
+        or credentials.internal_key,
+        max_attempts=max(1, args.max_attempts),
+        request_timeout=args.request_timeout,
+        stall_timeout=max(0.5, args.stall_timeout),
+    )
+    discovery = (
+        kubernetes_discovery(_namespace(args.namespace), args.selector)
+        if args.discovery == "kubernetes"
+        else None
+    )
+    return ProxySettings(
+        credentials=credentials,
+        flow=flow,
+        static_nodes=nodes,
+        health_interval=args.health_interval,
+        dead_threshold=args.dead_threshold,
+        startup_grace=args.startup_grace,
+        forget_after=args.forget_after,
+        discovery=discovery,
+        edge=edge_from_args(args),
+        default_max_tokens=args.default_max_tokens or None,
+        node_networks=networks,
+    )

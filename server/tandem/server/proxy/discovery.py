@@ -16,7 +16,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .registry import Registry, normalize_url, parse_role
+from tandem.server.wire.roles import parse_role
+
+from .registry import Registry, normalize_url
 
 log = logging.getLogger("tandem.proxy")
 

@@ -54,10 +54,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.server.api.edge import request_id_header
-from tandem.server.api.errors import APIError, ClientDisconnected, error_body, error_response
-from tandem.server.api.mapping import TENANT_HEADER, request_tenant
-from tandem.server.api.sse import SSE_HEADERS, error_event, ndjson_line
+from tandem.server.wire.edge import request_id_header
+from tandem.server.wire.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.wire.sse import SSE_HEADERS, error_event, ndjson_line
+from tandem.server.wire.tenancy import TENANT_HEADER, request_tenant
 
 from . import routing
 from .deadline import Deadline
@@ -97,7 +97,7 @@ PREFILL_SHARE = 0.5
 
 
 def tenant_header(request: Request) -> dict[str, str]:
-    """The caller's prefix-cache partition for the engine (``mapping.request_tenant``): the
+    """The caller's prefix-cache partition for the engine (``tenancy.request_tenant``): the
     engine sees only the proxy's internal credential, so the proxy names whose request it is,
     and every engine of a P/D pair salts its cache the same way."""
     tenant = request_tenant(request)
@@ -136,6 +136,20 @@ class FlowStats:
     def count(self, route: str, mode: str, status: int) -> None:
         key = (route, mode, status)
         self.requests[key] = self.requests.get(key, 0) + 1
+
+
+@dataclass
+class Job:
+    """One client request on its disaggregated way: what it asks (``kind``, ``body``), who
+    asks (``request``, watched for leaving), its prompt's prefix chunks and estimated length
+    (routing affinity) and its one deadline for progress."""
+
+    kind: str
+    body: dict[str, Any]
+    request: Request
+    chunks: list[bytes]
+    prompt_tokens: int
+    deadline: Deadline
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -296,17 +310,8 @@ class PDFlow:
             and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
         ):
             same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
-            return await self.disaggregated(
-                kind,
-                body,
-                request,
-                chunks,
-                prompt_tokens,
-                prefillers,
-                decode,
-                same_layout,
-                deadline,
-            )
+            job = Job(kind, body, request, chunks, prompt_tokens, deadline)
+            return await self.disaggregated(job, prefillers, decode, same_layout)
         return await self.forward(
             decode, kind, body, request, chunks, decoders, session_key, deadline
         ), "direct"
@@ -588,82 +593,41 @@ class PDFlow:
 
     # --- disaggregated: prefill on P, decode on D ------------------------------------------------
     async def disaggregated(
-        self,
-        kind: str,
-        body: dict[str, Any],
-        request: Request,
-        chunks: list[bytes],
-        prompt_tokens: int,
-        prefillers: list[Node],
-        decode: Node,
-        decoders: list[Node],
-        deadline: Deadline | None = None,
+        self, job: Job, prefillers: list[Node], decode: Node, decoders: list[Node]
     ) -> tuple[Response, str]:
         """Prefill on one of ``prefillers``, hand the KV over, decode on ``decode`` (or the next
-        of ``decoders``); whatever fails before the client got anything runs aggregated."""
-        deadline = deadline or self.deadline()
-        step = await self._prefill(kind, body, request, chunks, prompt_tokens, prefillers, deadline)
-        if isinstance(step, Response):
+        of ``decoders``). Whatever fails before the client got anything runs aggregated, each
+        way its own exit: no handoff (``_no_handoff``), D's KV pull failed (``_pull_failed``),
+        no decode engine took the handoff (``_no_decoder``)."""
+        step = await self._prefill(job, prefillers)
+        if isinstance(step, Response):  # P refused the request itself: any engine would
             return step, "disaggregated"
         kv = self._handoff(step)
         if step is None or kv is None:
-            self.stats.fallbacks_aggregated += 1
-            log.warning(
-                "no prefill handoff for the request; serving it aggregated on %s", decode.url
-            )
-            return await self.forward(
-                decode, kind, body, request, chunks, decoders, deadline=deadline
-            ), "aggregated_fallback"
+            return await self._no_handoff(job, decode, decoders)
         prefill = step[0]
-        self.prefix.record(prefill.url, chunks)
+        self.prefix.record(prefill.url, job.chunks)
         tried: set[str] = set()
-        served = await self._decode(
-            kind,
-            body,
-            request,
-            chunks,
-            prompt_tokens,
-            decoders,
-            decode,
-            prefill,
-            kv,
-            tried,
-            deadline,
-        )
+        served = await self._decode(job, decoders, decode, prefill, kv, tried)
         if served is not None:
             return served
-        # Run the whole request elsewhere (or on an engine coming back).
-        rest = [n for n in decoders if n.healthy and n.url not in tried]
-        rest = rest or await self._await_engines(body.get("model"), request, deadline)
-        if not rest:
-            raise APIError(
-                503, "no decode engine could take the request", code="no_engine_available"
-            )
-        self.stats.fallbacks_aggregated += 1
-        return await self.forward(
-            rest[0], kind, body, request, chunks, rest, deadline=deadline
-        ), "aggregated_fallback"
+        return await self._no_decoder(job, decoders, tried)
 
     async def _prefill(
-        self,
-        kind: str,
-        body: dict[str, Any],
-        request: Request,
-        chunks: list[bytes],
-        prompt_tokens: int,
-        prefillers: list[Node],
-        deadline: Deadline,
+        self, job: Job, prefillers: list[Node]
     ) -> tuple[Node, Any] | Response | None:
         """The prefill step: (the engine, its parsed answer), the engine's 4xx answer to pass
         on, or None when no prefill engine took it. It may use ``PREFILL_SHARE`` of the
         request's deadline; the rest is left to the decode side."""
-        bound = deadline.capped(deadline.budget * PREFILL_SHARE)
-        prefill_body = prefill_request(body)
-        for prefill in self._attempts(prefillers, chunks, prompt_tokens, set(), None, bound):
+        bound = job.deadline.capped(job.deadline.budget * PREFILL_SHARE)
+        prefill_body = prefill_request(job.body)
+        for prefill in self._attempts(
+            prefillers, job.chunks, job.prompt_tokens, set(), None, bound
+        ):
             try:
-                resp = await self._open(prefill, kind, prefill_body, request, bound)
+                resp = await self._open(prefill, job.kind, prefill_body, job.request, bound)
                 try:
-                    content = await self._watch(resp.aread(), request, prefill, bound)
+                    content = await self._watch(resp.aread(), job.request, prefill, bound)
                 finally:
                     await resp.aclose()
             except (_Unreachable, httpx.HTTPError) as exc:
@@ -704,27 +668,22 @@ class PDFlow:
 
     async def _decode(
         self,
-        kind: str,
-        body: dict[str, Any],
-        request: Request,
-        chunks: list[bytes],
-        prompt_tokens: int,
+        job: Job,
         decoders: list[Node],
         decode: Node,
         prefill: Node,
         kv: dict[str, Any],
         tried: set[str],
-        deadline: Deadline,
     ) -> tuple[Response, str] | None:
         """The decode step on ``decode``, then the next of ``decoders``: the answer, or None
         when none took the handoff (P's lease released; the caller runs it aggregated)."""
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = {**kv, "remote_engine_url": prefill.url}
-        for node in self._attempts(decoders, chunks, prompt_tokens, tried, decode, deadline):
+        decode_body = {**job.body, "kv_transfer_params": {**kv, "remote_engine_url": prefill.url}}
+        bound = self._bound(job.body, job.deadline)
+        for node in self._attempts(
+            decoders, job.chunks, job.prompt_tokens, tried, decode, job.deadline
+        ):
             try:
-                resp = await self._open(
-                    node, kind, decode_body, request, self._bound(body, deadline)
-                )
+                resp = await self._open(node, job.kind, decode_body, job.request, bound)
             except _Unreachable as exc:
                 self.stats.decode_failures += 1
                 self._record_down(node, exc)
@@ -734,17 +693,15 @@ class PDFlow:
                 self._spawn(self.free_cache(prefill, kv))
                 raise
             if resp.status_code >= 400:
-                return await self._decode_refused(
-                    node, resp, kind, body, request, chunks, decoders, prefill, kv, deadline
-                )
-            self.prefix.record(node.url, chunks)
+                return await self._decode_refused(job, node, resp, decoders, prefill, kv)
+            self.prefix.record(node.url, job.chunks)
 
             async def on_end(got_data: bool, pf: Node = prefill) -> None:
                 if not got_data:  # in the background: a stalled P must not hold the client
                     self._spawn(self.free_cache(pf, kv))
 
             try:
-                relayed = await self._relay(node, resp, request, body, on_end, deadline)
+                relayed = await self._relay(node, resp, job.request, job.body, on_end, job.deadline)
                 return relayed, "disaggregated"
             except _Unreachable as exc:  # D stalled before its first byte; on_end freed P's lease
                 self.stats.decode_failures += 1
@@ -756,37 +713,64 @@ class PDFlow:
 
     async def _decode_refused(
         self,
+        job: Job,
         node: Node,
         resp: httpx.Response,
-        kind: str,
-        body: dict[str, Any],
-        request: Request,
-        chunks: list[bytes],
         decoders: list[Node],
         prefill: Node,
         kv: dict[str, Any],
-        deadline: Deadline,
     ) -> tuple[Response, str]:
         """D refused or failed before answering: it freed its own blocks; P's lease goes too.
-        A 502 means its KV pull failed (P died or hung after answering): P is suspect, and the
-        request runs aggregated on D, never on the same failed pair again."""
+        Its answer is the client's, unless it is a 502: its KV pull failed (``_pull_failed``)."""
         self.stats.decode_failures += resp.status_code >= 500
         self._spawn(self.free_cache(prefill, kv))
         if resp.status_code != 502:
-            return await self._relay(node, resp, request, body), "disaggregated"
+            return await self._relay(node, resp, job.request, job.body), "disaggregated"
         await resp.aclose()
+        return await self._pull_failed(job, node, prefill, decoders)
+
+    # --- the aggregated fallbacks: what failed before the client got anything ------------------
+    async def _no_handoff(
+        self, job: Job, decode: Node, decoders: list[Node]
+    ) -> tuple[Response, str]:
+        """No prefill engine handed KV over (none took the request, or one without P/D support
+        answered it): the whole request runs on the decode engine it was routed to."""
+        return await self._aggregated(job, decode, decoders, "no prefill handoff for the request")
+
+    async def _pull_failed(
+        self, job: Job, node: Node, prefill: Node, decoders: list[Node]
+    ) -> tuple[Response, str]:
+        """D's KV pull from P failed (D answered 502: P died or hung after answering): P is
+        suspect, and the request runs aggregated on D, never on the same failed pair again."""
         self.stats.prefill_failures += 1
         self.registry.record_failure(prefill.url, "a decode engine's KV pull from it failed")
+        why = f"KV pull from {prefill.url} to {node.url} failed"
+        return await self._aggregated(job, node, decoders, why)
+
+    async def _no_decoder(
+        self, job: Job, decoders: list[Node], tried: set[str]
+    ) -> tuple[Response, str]:
+        """No decode engine took the handoff (P's lease is released): the whole request runs
+        on a decode engine not tried yet, or on one coming back; a 503 when there is none."""
+        rest = [n for n in decoders if n.healthy and n.url not in tried]
+        rest = rest or await self._await_engines(job.body.get("model"), job.request, job.deadline)
+        if not rest:
+            raise APIError(
+                503, "no decode engine could take the request", code="no_engine_available"
+            )
+        return await self._aggregated(job, rest[0], rest, "no decode engine took the handoff")
+
+    async def _aggregated(
+        self, job: Job, first: Node, alternatives: list[Node], why: str
+    ) -> tuple[Response, str]:
+        """Serve a request meant for P/D whole on ``first`` (or the next of ``alternatives``),
+        counted as an aggregated fallback."""
         self.stats.fallbacks_aggregated += 1
-        log.warning(
-            "KV pull from %s to %s failed; serving aggregated on %s",
-            prefill.url,
-            node.url,
-            node.url,
+        log.warning("%s; serving it aggregated on %s", why, first.url)
+        response = await self.forward(
+            first, job.kind, job.body, job.request, job.chunks, alternatives, deadline=job.deadline
         )
-        return await self.forward(
-            node, kind, body, request, chunks, decoders, deadline=deadline
-        ), "aggregated_fallback"
+        return response, "aggregated_fallback"
 
 
 def _as_response(resp: httpx.Response, content: bytes) -> Response:

@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from tandem.server.api.registration import ROLE_IDS, parse_role
-from tandem.server.disagg.trust import CHALLENGE_HEADER, PROOF_HEADER, new_nonce, proof_valid
+from tandem.server.wire.roles import ROLE_IDS, parse_role
+from tandem.server.wire.trust import CHALLENGE_HEADER, PROOF_HEADER, new_nonce, proof_valid
 
 log = logging.getLogger("tandem.proxy")
 

@@ -1,0 +1,59 @@
+"""The models the proxy serves, answered from its registry: OpenAI's list and entry, and
+Ollama's lists and version (every served model counts as loaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.errors import APIError
+from tandem.server.wire.ollama import OLLAMA_VERSION, ollama_model
+
+from .state import get_state
+
+router = APIRouter(route_class=ParsedJSONRoute)
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    if model_id not in state.registry.models():
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist",
+            code="model_not_found",
+            param="model",
+        )
+    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "tandem"}
+
+
+@router.get("/api/tags")
+async def ollama_tags(request: Request) -> dict[str, Any]:
+    """Ollama's model list: every model some healthy engine serves."""
+    return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+
+
+@router.get("/api/ps")
+async def ollama_ps(request: Request) -> dict[str, Any]:
+    """Ollama's loaded models: here every served model is loaded."""
+    return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+
+
+@router.get("/api/version")
+async def ollama_version() -> dict[str, str]:
+    return {"version": OLLAMA_VERSION}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    """Every model some healthy engine serves."""
+    state = get_state(request)
+    return {
+        "object": "list",
+        "data": [
+            {"id": m, "object": "model", "created": state.created, "owned_by": "tandem"}
+            for m in state.registry.models()
+        ],
+    }

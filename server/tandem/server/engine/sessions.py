@@ -10,7 +10,7 @@ request finds the pool short. A session that lost its blocks stays a session; it
 turn recomputes (or finds its blocks still in the prefix cache).
 
 The sessions themselves are bounded too, per key and in all: a key (the ``owner:`` prefix the
-API scopes every id with, ``mapping.session_key``) past ``max_per_key`` forgets its own least
+API scopes every id with, ``tenancy.session_key``) past ``max_per_key`` forgets its own least
 recently used idle session, and a store past ``max_sessions`` forgets one of the key that
 opened the new session if it has any idle, else one of the key holding the most. So a client
 opening a session per request cannot grow the store for a whole TTL, nor push another key's

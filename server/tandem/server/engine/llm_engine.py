@@ -18,8 +18,8 @@ from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, RemotePrefill
 from .limits import max_model_len
+from .loader import read_model_config
 from .memory import DeviceMemory
-from .models.config import ModelConfig
 from .output_processor import group_output
 from .outputs import RequestOutput
 from .pooling import PoolingParams, fold_hidden_rows
@@ -38,7 +38,7 @@ from .worker import Worker
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = read_model_config(config.model)
         self.worker = Worker(config, self.model_config)
         self.device, self.kv_cache = self.worker.runner.device, self.worker.runner.kv_cache
         num_blocks = self.worker.runner.num_blocks

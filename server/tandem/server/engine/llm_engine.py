@@ -2,6 +2,11 @@
 
 One thread drives it (``step``); the API layer feeds it through ``add_request`` and
 ``abort_request`` between steps. Nothing here does I/O beyond loading the model.
+
+A host (the server's engine loop, its routes, the P/D transport) uses only ``LLMEngine``'s
+own methods and properties, never its parts (scheduler, sessions, handoff): the section "the
+host's face" below is everything else it may read or call, as vLLM's ``SchedulerInterface`` is
+for its engine core, so the parts can change without touching the server.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from .config import EngineConfig
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
-from .kv_transfer import KVLayout, RemotePrefill
+from .kv_transfer import KVLayout, PullTask, RemotePrefill
 from .limits import max_model_len
 from .loader import read_model_config
 from .memory import DeviceMemory
@@ -79,6 +84,8 @@ class LLMEngine:
         session_id: str | None = None,
         kv_transfer: dict | None = None,
         pooling: PoolingParams | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
@@ -90,12 +97,28 @@ class LLMEngine:
         for the prompt prefix they hold, and leaves its own blocks there when done.
         With ``pooling`` the request is prefill-only (an embedding): it ends when the prompt
         is computed, its output carries the vector and its blocks go back to the pool.
+        ``tenant`` (the caller's key) and ``cache_salt`` name its prefix-cache partition: it
+        hits only blocks cached under the same ones (``InputProcessor.cache_partition``).
         """
         self.memory.check_awake()
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
-        if pooling is not None:
-            return self._add_pooled(request_id, prompt, params, pooling)
+        with self.inputs.cache_partition(tenant, cache_salt):
+            if pooling is not None:
+                return self._add_pooled(request_id, prompt, params, pooling)
+            return self._add_group(request_id, prompt, params, stream, session_id, kv_transfer)
+
+    def _add_group(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool,
+        session_id: str | None,
+        kv_transfer: dict | None,
+    ) -> list[int]:
+        """A generating request's ``params.n`` sequences, queued (or held for a grammar, or
+        for a KV pull)."""
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = self.inputs.prompt_ids(prompt)
@@ -205,7 +228,6 @@ class LLMEngine:
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.handoff.leases.sweep()
         self.handoff.admit()
         self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
@@ -286,12 +308,68 @@ class LLMEngine:
         if (out := self._group_output(group_id)) is not None:
             self._ready_outputs.append(out)
 
-    # ----- prefill/decode disaggregation ---------------------------------------------------
+    # ----- the host's face: prefill/decode disaggregation ----------------------------------
+    def take_pull_tasks(self) -> list[PullTask]:
+        """The KV pulls the host must run off the engine thread, each reported back with
+        ``complete_pull``."""
+        return self.handoff.take_pull_tasks()
+
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
-        """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
+        """The host reports a pull from ``take_pull_tasks`` done (or failed)."""
         req = self.handoff.complete_pull(request_id, error)
         if req is not None:
             self._report_between_steps(req.group_id)
+
+    def sweep_leases(self) -> int:
+        """Free the leases released or expired by now; returns how many ended. The host calls
+        it once per loop (``step`` does not), and again when asked to (``/distserve/gc``)."""
+        return self.handoff.leases.sweep()
+
+    def next_lease_expiry(self) -> float | None:
+        """When the soonest lease expires (``time.monotonic``): an idle host sweeps then."""
+        return self.handoff.leases.next_expiry()
+
+    def leased_blocks(self, lease_id: str) -> list[int] | None:
+        """Any thread (the transport's): the blocks a lease holds, None if it is gone."""
+        return self.handoff.leases.blocks(lease_id)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Any thread: hand a lease's blocks back (freed at the next ``sweep_leases``)."""
+        return self.handoff.release_lease(lease_id)
+
+    @property
+    def engine_id(self) -> str:
+        """This engine's id in the handles it hands out and the pulls it runs."""
+        return self.handoff.engine_id
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout, which a peer must share to move blocks."""
+        return self.handoff.layout
+
+    @property
+    def transport_address(self) -> str | None:
+        """Where this engine's KV transport listens (None without one): the host sets it
+        once the transport is up, and every handle a prefill hands out carries it."""
+        return self.handoff.address
+
+    @transport_address.setter
+    def transport_address(self, address: str | None) -> None:
+        self.handoff.address = address
+
+    # ----- the host's face: queue and sessions ---------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (a host bounds it: the API's 429)."""
+        return len(self.scheduler.waiting)
+
+    def expire_sessions(self, ttl: float) -> int:
+        """Forget sessions idle longer than ``ttl`` seconds; returns how many."""
+        return self.sessions.expire(ttl)
+
+    def delete_session(self, session_id: str) -> bool:
+        """Forget a session and free its blocks now; False if there is none."""
+        return self.sessions.delete(session_id)
 
     # ----- device memory (docs: engine/memory.py) -----------------------------------------
     @property

@@ -21,11 +21,11 @@ from .config import EngineConfig
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
-from .kv_transfer import KVLayout, PullTask, RemotePrefill
+from .kv_transfer import KVLayout, PullTask
 from .limits import max_model_len
 from .loader import read_model_config
 from .memory import DeviceMemory
-from .output_processor import group_output
+from .output_processor import add_text, finish_text, group_output
 from .outputs import RequestOutput
 from .pooling import PoolingParams, fold_hidden_rows
 from .request import Request, RequestStatus, TokenLogprob
@@ -122,20 +122,18 @@ class LLMEngine:
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = self.inputs.prompt_ids(prompt)
-        params, remote_decode, remote = self.handoff.parse(
-            kv_transfer, params, session_id, len(prompt_ids)
-        )
+        params, handoff = self.handoff.parse(kv_transfer, params, session_id, len(prompt_ids))
         group = self.inputs.group(request_id, prompt_ids, params, stream)
+        group[0].handoff = handoff
         grammar = self._compiling.submit(params.structured)
         if session_id is not None:
             group[0].session_id = session_id
             self.sessions.attach(session_id, group[0])
         self._groups[request_id] = group
-        group[0].remote_decode = remote_decode
         if grammar is not None and not grammar.done():
-            self._compiling.hold(group, remote, grammar)
+            self._compiling.hold(group, grammar)
         else:
-            self._enqueue(group, remote, grammar)
+            self._enqueue(group, grammar)
         self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
 
@@ -152,19 +150,17 @@ class LLMEngine:
         self.totals.prompt_tokens += req.num_prompt_tokens
         return req.prompt_token_ids
 
-    def _enqueue(
-        self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
-    ) -> None:
+    def _enqueue(self, group: list[Request], grammar: Future | None) -> None:
         """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
         if grammar is not None:
             self._compiling.bind(group, grammar)
-        if remote is None:
-            self.scheduler.add(group[0])
-            return
         req = group[0]
-        req.remote_prefill = remote
+        remote = req.handoff.remote_prefill if req.handoff is not None else None
+        if remote is None:
+            self.scheduler.add(req)
+            return
         if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
-            self.worker.skip_draw(req.generator)
+            self.worker.skip_draw(req.sampling.generator)
         # The prefill engine sampled the first token (under the same grammar): take it as ours.
         if not self._append(req, remote.first_token_ids[0], None):
             self.handoff.wait_for_blocks(req)
@@ -176,7 +172,7 @@ class LLMEngine:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
         for c in self._compiling.take_done():
             if c.grammar.exception() is None:
-                self._enqueue(c.group, c.remote, c.grammar)
+                self._enqueue(c.group, c.grammar)
                 continue
             c.fail()
             if c.group[0].session_id is not None:
@@ -208,11 +204,11 @@ class LLMEngine:
         one API request, ends with ``error`` and frees its blocks; the rest of the batch is
         untouched, so one request's parameters or numerics never fail another's."""
         group = self._groups[req.group_id]
-        group[0].error, group[0].error_code = error.message, error.code
+        group[0].output.error, group[0].output.error_code = error.message, error.code
         now = time.monotonic()
         for r in group:
             if not r.status.finished:
-                r.finished_time = now
+                r.times.finished = now
                 self._stop(r, RequestStatus.FINISHED_ERROR)
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
@@ -259,14 +255,14 @@ class LLMEngine:
                 self._append(req, token, lp)
             else:
                 self._fail(req, error)
-            if req.stream or req.status.finished:
+            if req.output.stream or req.status.finished:
                 report[req.group_id] = None
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
         """Pooled requests whose prompt is now computed finish with their vector."""
         done = fold_hidden_rows(batch.requests, batch.num_new_tokens, hidden)
         for req in done:
-            req.finished_time = time.monotonic()
+            req.times.finished = time.monotonic()
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return [req.group_id for req in done]
 
@@ -275,24 +271,23 @@ class LLMEngine:
         if req.pending_siblings:
             self.scheduler.fork_siblings(req)
         req.output_token_ids.append(token)
-        if req.grammar is not None:
-            req.grammar.advance(req.output_token_ids)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if req.sampling.grammar is not None:
+            req.sampling.grammar.advance(req.output_token_ids)
+        if req.times.first_token is None:
+            req.times.first_token = time.monotonic()
         if logprob is not None:
-            req.logprobs.append(logprob)
-        status, reason = check_stop(req, token, self.max_model_len)
-        if status is None:
+            req.output.logprobs.append(logprob)
+        stop = check_stop(req, token, add_text(req, token), self.max_model_len)
+        if stop is None:
             return False
-        req.stop_reason = reason
-        if req.detokenizer is not None and req.stop_text_end is None:
-            req.detokenizer.finish()
+        req.output.stop_reason, req.output.stop_text_end = stop.reason, stop.text_end
+        finish_text(req)
         if req.session_id is not None:
             self.sessions.detach(req.session_id, req, keep_blocks=True)
-        if req.remote_decode:
+        if req.handoff is not None and req.handoff.remote_decode:
             self.handoff.grant_lease(req)
-        req.finished_time = time.monotonic()
-        self.scheduler.finish(req, status)
+        req.times.finished = time.monotonic()
+        self.scheduler.finish(req, stop.status)
         return True
 
     def _group_output(self, group_id: str) -> RequestOutput | None:

@@ -174,5 +174,5 @@ class KVHandoff:
         return False
 
     def release_lease(self, lease_id: str) -> bool:
-        """Any thread: hand a lease's blocks back (they are freed at the next step or sweep)."""
+        """Any thread: hand a lease's blocks back (they are freed at the next sweep)."""
         return self.leases.ask_release(lease_id)

@@ -559,8 +559,9 @@ class AsyncEngine:
             self.puller.submit(task, engine.kv_cache, done)
 
     def _expire(self, engine: LLMEngine) -> None:
-        """Once per loop, stepped or idle: the one place leases are swept (released or
-        expired ones freed), and every so often idle sessions expire."""
+        """Once per loop, stepped or idle: the loop's one lease sweep (``step`` does none;
+        released and expired leases' blocks are freed here), and every so often idle
+        sessions expire."""
         engine.sweep_leases()
         ttl = self._session_ttl
         if not ttl:

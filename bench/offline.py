@@ -145,10 +145,10 @@ def resolve(model: str) -> tuple[str, int]:
 
 
 def bench(model: str, num_prompts: int | None, repeats: int, seed: int) -> None:
-    from tandem.server.engine.models.config import ModelConfig
+    from tandem.server.engine.loader import read_model_config
 
     path, default_prompts = resolve(model)
-    vocab = ModelConfig.from_dir(path).vocab_size
+    vocab = read_model_config(path).vocab_size
     prompts, outputs = workload(num_prompts or default_prompts, vocab, seed)
     wanted = sum(outputs)
     hf = hf_model(path)

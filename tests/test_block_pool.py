@@ -7,7 +7,7 @@ import pytest
 from tandem.server.engine.block_pool import NULL_BLOCK, BlockPool, BlockPoolError
 from tandem.server.engine.kv_cache_manager import KVCacheManager
 from tandem.server.engine.prefix_cache import PrefixCache, chain_hashes
-from tandem.server.engine.request import Request
+from tandem.server.engine.request import Request, SamplingState
 from tandem.server.engine.sampling_params import SamplingParams
 
 
@@ -16,8 +16,7 @@ def make_request(tokens: list[int], rid: str = "r", order: int = 0) -> Request:
         request_id=rid,
         prompt_token_ids=tokens,
         params=SamplingParams(),
-        max_tokens=16,
-        eos_token_ids=frozenset(),
+        sampling=SamplingState(max_tokens=16, eos_token_ids=frozenset()),
         arrival_order=order,
         group_id=rid,
     )

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.server.engine import LLM, SamplingParams
 from tandem.server.engine.gguf_loader import gguf_tensors, hf_name
-from tandem.server.engine.models.config import ModelConfig, ModelLoadError
+from tandem.server.engine.loader import read_model_config
+from tandem.server.engine.models.config import ModelLoadError
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 from tandem.server.engine.tokenizer import load_tokenizer
 
@@ -88,7 +89,7 @@ QUANT_ERROR = {
 def test_quantized_weights_dequantize_to_their_source(llama_dir, tmp_path, qtype) -> None:
     path = tmp_path / "m.gguf"
     source = write_gguf(llama_dir, path, encoder(qtype))
-    cfg = ModelConfig.from_dir(path)
+    cfg = read_model_config(path)
     loaded = dict(gguf_tensors(path, cfg))
     assert set(loaded) == {hf_name(n) for n in source}
     for name, src in source.items():
@@ -128,7 +129,7 @@ def test_k_quants_load_as_gguf_dequantizes_them(tmp_path, qtype) -> None:
 
     path = tmp_path / "k.gguf"
     source = write_gguf(hf_dir, path, random_blocks)
-    cfg = ModelConfig.from_dir(path)
+    cfg = read_model_config(path)
     loaded = dict(gguf_tensors(path, cfg))
     remaining = {shape: list(datas) for shape, datas in stored.items()}
     for name, src in source.items():  # written in this order, so stored data pairs up

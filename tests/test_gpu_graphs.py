@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.server.engine.config import EngineConfig
+from tandem.server.engine.loader import read_model_config
 from tandem.server.engine.model_runner import (
     ModelRunner,
     StepInputs,
@@ -18,7 +19,6 @@ from tandem.server.engine.model_runner import (
     pad_decode_inputs,
     pick_graph_size,
 )
-from tandem.server.engine.models.config import ModelConfig
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -70,7 +70,7 @@ def test_padded_decode_changes_no_real_row_and_no_real_slot(llama_dir) -> None:
     config = EngineConfig(
         str(llama_dir), dtype="float32", device="cpu", block_size=bs, kv_cache_tokens=15 * bs
     )
-    runner = ModelRunner(config, ModelConfig.from_dir(llama_dir), torch.device("cpu"))
+    runner = ModelRunner(config, read_model_config(llama_dir), torch.device("cpu"))
     cache = runner.kv_cache
     assert cache.num_blocks == 16 and runner.backend.name == "torch"
     # prefill three sequences: 5, 9 and 2 tokens in blocks [1, 2], [3, 4, 5], [6]

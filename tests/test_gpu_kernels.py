@@ -68,7 +68,7 @@ def test_rope_in_place(dtype: torch.dtype, rotary_fraction: float) -> None:
     qkv = torch.randn(37, (8 + 2 + 2) * 128, device="cuda").to(dtype)
     q = qkv[:, : 8 * 128].view(37, 8, 128)  # views into one packed projection, as in the model
     k = qkv[:, 8 * 128 : 10 * 128].view(37, 2, 128)
-    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    cos, sin, _ = rotary.tables(positions, torch.float32)
     want_q, want_k = (_apply(t.float(), cos, sin, rotary.rotary_dim) for t in (q, k))
     v_before = qkv[:, 10 * 128 :].clone()
     got_q, got_k = rotary(rotary.tables(positions, dtype), q, k)

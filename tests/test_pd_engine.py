@@ -30,7 +30,7 @@ def drain(engine: LLMEngine, rid: str, stream: bool = False):
 
 def run_pulls(engine: LLMEngine, client: KVTransportClient) -> None:
     """What the server's engine loop does with pull tasks, inline."""
-    for task in engine.handoff.take_pull_tasks():
+    for task in engine.take_pull_tasks():
         try:
             client.pull(task.lease_id, task.remote_block_ids, engine.kv_cache, task.local_block_ids)
             client.release(task.lease_id)
@@ -47,11 +47,11 @@ def pd(llama_dir: Path):
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
     server = KVTransportServer(
         prefill.kv_cache,
-        prefill.handoff.leases.blocks,
-        prefill.handoff.release_lease,
-        layout=prefill.handoff.layout,
+        prefill.leased_blocks,
+        prefill.release_lease,
+        layout=prefill.kv_layout,
     ).start()
-    prefill.handoff.address = server.address
+    prefill.transport_address = server.address
     client = KVTransportClient(server.address, timeout_s=5)
     yield prefill, decode, client
     client.close()
@@ -76,13 +76,13 @@ def test_disaggregated_greedy_equals_aggregated_and_frees_everything(pd, llama_d
 
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     assert prefill.stats().num_leases == 1 and handle["remote_num_tokens"] == len(prompt)
-    assert client.layout() == decode.handoff.layout
+    assert client.layout() == decode.kv_layout
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle, stream=True)
     decode.step()
     run_pulls(decode, client)
     out = drain(decode, "d", stream=True)
     assert out.token_ids == expected and out.error is None
-    prefill.step()  # the release lands at the next step's sweep
+    prefill.sweep_leases()  # the release lands at the next sweep
     assert prefill.stats().num_leases == 0
     prefill.kv.pool.check_all_free()
     decode.kv.pool.check_all_free()
@@ -97,7 +97,7 @@ def test_decode_prefix_hits_pull_only_the_missing_tail(pd) -> None:
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
-    (task,) = decode.handoff.take_pull_tasks()
+    (task,) = decode.take_pull_tasks()
     assert len(task.remote_block_ids) == len(handle["remote_block_ids"]) - 5
     client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
     decode.complete_pull("d")
@@ -126,8 +126,8 @@ def test_failed_pull_frees_decode_blocks(pd, llama_dir: Path, fallback: str) -> 
     )
     prompt = list(range(5, 50))
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
-    prefill.handoff.release_lease(handle["remote_lease_id"])
-    prefill.step()  # the lease is gone: the pull must fail
+    prefill.release_lease(handle["remote_lease_id"])
+    prefill.sweep_leases()  # the lease is gone: the pull must fail
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
     run_pulls(decode, client)
@@ -147,7 +147,7 @@ def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
     handle = prefill_handoff(prefill, "p", prompt, GREEDY)
     decode.add_request("d", prompt, GREEDY, kv_transfer=handle)
     decode.step()
-    (task,) = decode.handoff.take_pull_tasks()
+    (task,) = decode.take_pull_tasks()
     decode.abort_request("d")
     assert decode.stats().free_blocks < decode.stats().total_blocks  # still being written
     client.pull(task.lease_id, task.remote_block_ids, decode.kv_cache, task.local_block_ids)
@@ -158,7 +158,7 @@ def test_abort_during_pull_frees_blocks_only_after_the_pull(pd) -> None:
 def test_layout_mismatch_is_reported_clearly(pd, llama_dir: Path) -> None:
     _, _, client = pd
     other = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_tokens=1024, block_size=16))
-    problem = other.handoff.layout.mismatch(client.layout())
+    problem = other.kv_layout.mismatch(client.layout())
     assert problem is not None and "block_size: remote 8 vs local 16" in problem
 
 
@@ -181,16 +181,16 @@ def test_first_token_that_stops_ends_the_decode_without_a_pull(pd, stream: bool)
     decode.add_request("d", prompt, stops, kv_transfer=handle, stream=stream)
     out = drain(decode, "d", stream=stream)
     assert out.token_ids == [first] and out.finish_reason == "stop" and out.error is None
-    (task,) = decode.handoff.take_pull_tasks()
+    (task,) = decode.take_pull_tasks()
     assert task.lease_id == handle["remote_lease_id"] and task.remote_block_ids == []
     assert prefill.stats().num_leases == 1
-    puller = KVPuller(lambda: decode.handoff.layout)  # what the server's engine loop runs
+    puller = KVPuller(lambda: decode.kv_layout)  # what the server's engine loop runs
     done: Future = Future()
     puller.submit(task, decode.kv_cache, lambda rid, error: done.set_result((rid, error)))
     assert done.result(timeout=30) == ("d", None)
     puller.close()
     decode.complete_pull("d")  # the request is over: nothing changes
-    prefill.step()  # the release lands at the next step's sweep
+    prefill.sweep_leases()  # the release lands at the next sweep
     assert prefill.stats().num_leases == 0
     prefill.kv.pool.check_all_free()
     decode.kv.pool.check_all_free()

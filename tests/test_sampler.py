@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.server.engine import SamplingParams
-from tandem.server.engine.request import Request
+from tandem.server.engine.request import Request, SamplingState
 from tandem.server.engine.sampler import LOGITS_NOT_FINITE, NO_TOKEN_ALLOWED, sample
 
 VOCAB = 97
@@ -24,11 +24,13 @@ def _request(params: SamplingParams, seed: int = 0, outputs: list[int] | None = 
         request_id=f"r{seed}",
         prompt_token_ids=[5, 6, 7, 8],
         params=params,
-        max_tokens=params.max_tokens or 16,
-        eos_token_ids=frozenset({EOS}),
+        sampling=SamplingState(
+            max_tokens=params.max_tokens or 16,
+            eos_token_ids=frozenset({EOS}),
+            generator=torch.Generator().manual_seed(seed),
+        ),
         arrival_order=seed,
         group_id=f"r{seed}",
-        generator=torch.Generator().manual_seed(seed),
         output_token_ids=list(outputs or []),
     )
 
@@ -74,10 +76,10 @@ def test_hostile_parameters_always_give_a_token_inside_the_vocabulary(name: str)
 
 def test_a_temperature_below_the_floor_is_greedy_and_draws_nothing() -> None:
     req = _request(SamplingParams(temperature=1e-300))
-    before = req.generator.get_state()
+    before = req.sampling.generator.get_state()
     logits = _logits(1)
     assert sample(logits.clone(), [req]).token_ids == [int(logits[0].argmax())]
-    assert torch.equal(req.generator.get_state(), before)
+    assert torch.equal(req.sampling.generator.get_state(), before)
 
 
 BAD_ROWS = {

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from tandem.server.engine import LLM, SamplingParams
-from tandem.server.engine.loader import load_model
-from tandem.server.engine.models.config import ModelConfig
+from tandem.server.engine.loader import load_model, read_model_config
 from tandem.server.engine.parallel import TensorParallel, TensorParallelError
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
@@ -63,7 +62,7 @@ def test_shards_split_heads_and_rows(tiny_models) -> None:
     """Rank r holds rows r of each packed shard and columns r of the row-parallel layers."""
     d = tiny_models["qwen2"]
     full = load_model(d, torch.float32, torch.device("cpu"))
-    cfg = ModelConfig.from_dir(d)
+    cfg = read_model_config(d)
     hd = cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     for rank in (0, 1):

@@ -113,13 +113,13 @@ def test_finding1_decode_reads_blocks_only_from_a_peer_holding_the_secret(engine
     # A fake prefill server speaking the transport protocol, without the internal secret,
     # serving a lease of its own with garbage blocks.
     fake = KVTransportServer(
-        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.handoff.layout
+        _garbage_cache(prefill), lambda _: [1, 2], lambda _: True, layout=prefill.kv_layout
     ).start()
     real = KVTransportServer(
         prefill.kv_cache,
         {lease: [1, 2]}.get,
         lambda _: True,
-        layout=prefill.handoff.layout,
+        layout=prefill.kv_layout,
         key=KEY,
     ).start()
     before = decode.kv_cache.data.clone()
@@ -186,11 +186,11 @@ def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> Non
         prefill.kv_cache,
         {"lease-2": [1, 2]}.get,
         lambda _: True,
-        layout=prefill.handoff.layout,
+        layout=prefill.kv_layout,
         key=KEY,
     ).start()
     held = HeldPeer()
-    puller = KVPuller(lambda: decode.handoff.layout, max_workers=4, timeout_s=60, key=KEY)
+    puller = KVPuller(lambda: decode.kv_layout, max_workers=4, timeout_s=60, key=KEY)
     results: dict[str, str | None] = {}
     finished = threading.Event()
 
@@ -216,7 +216,7 @@ def test_finding2_one_stalled_peer_cannot_hold_every_pull_worker(engines) -> Non
         assert puller.num_peers == 1  # the failed peer's socket is closed, the good one kept
 
         # Every dead address used to keep a ZMQ context (and its I/O thread) forever.
-        quick = KVPuller(lambda: decode.handoff.layout, timeout_s=0.2, key=KEY)
+        quick = KVPuller(lambda: decode.kv_layout, timeout_s=0.2, key=KEY)
         start = _threads()
         for _ in range(12):
             with socket.socket() as s:

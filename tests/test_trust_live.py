@@ -28,7 +28,7 @@ import torch
 
 from tandem.server.disagg.transport import KVTransportServer, layout_of
 from tandem.server.engine.kv_cache import KVCache
-from tandem.server.engine.models.config import ModelConfig
+from tandem.server.engine.loader import read_model_config
 
 from .api_helpers import ENGINE_FLAGS, ServerProcess, wait_until
 from .test_proxy_helpers import ProxyProcess, stop_all
@@ -47,7 +47,7 @@ class FakePrefill:
     """The attacker's server: answers the transport protocol with garbage blocks."""
 
     def __init__(self, model_dir: str) -> None:
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = read_model_config(model_dir)
         cache = KVCache(cfg, 8, 16, torch.float32, torch.device("cpu"))
         cache.data.normal_(std=5.0)
         self.contacts = 0

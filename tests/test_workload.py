@@ -121,7 +121,7 @@ def test_sampler_filters_keep_draws_inside_the_allowed_set(llama_dir: Path) -> N
         for seed in range(200):
             req = make_request([1], "s")
             req.params = SamplingParams(temperature=1.0, **kwargs)
-            req.generator = torch.Generator().manual_seed(seed)
+            req.sampling.generator = torch.Generator().manual_seed(seed)
             seen.add(sample(logits.clone(), [req]).token_ids[0])
         assert seen == allowed, (kwargs, seen)
 
@@ -138,7 +138,7 @@ def test_draws_follow_the_softmax_and_never_pick_a_masked_token() -> None:
     logits = probs.log().unsqueeze(0)  # -inf where masked
     req = make_request([1], "d")
     req.params = SamplingParams(temperature=1.0)
-    req.generator = torch.Generator().manual_seed(7)
+    req.sampling.generator = torch.Generator().manual_seed(7)
     draws = torch.tensor([sample(logits.clone(), [req]).token_ids[0] for _ in range(20000)])
     freq = torch.bincount(draws, minlength=6).double() / 20000
     assert freq[0] == 0 and freq[5] == 0
@@ -163,7 +163,7 @@ def test_penalties_and_logit_bias_change_the_processed_logits() -> None:
     req.params = SamplingParams(temperature=0.0, logit_bias={2: 10.0})
     assert sample(logits, [req]).token_ids == [2]
     req.output_token_ids = []
-    req.eos_token_ids = frozenset({0})
+    req.sampling.eos_token_ids = frozenset({0})
     req.params = SamplingParams(temperature=0.0, min_tokens=1)
     assert sample(logits, [req]).token_ids == [1]  # EOS masked until min_tokens
 

@@ -145,7 +145,7 @@ class _KVTransport:
         self.server: Any = None
         self._engine: LLMEngine | None = None
         self.puller = (
-            KVPuller(lambda: self._engine.handoff.layout, timeout_s=timeout_s, key=key)
+            KVPuller(lambda: self._engine.kv_layout, timeout_s=timeout_s, key=key)
             if role in ("decode", "both")
             else None
         )
@@ -157,14 +157,14 @@ class _KVTransport:
         if self.role in ("prefill", "both"):
             self.server = KVTransportServer(
                 engine.kv_cache,
-                engine.handoff.leases.blocks,
-                engine.handoff.release_lease,
+                engine.leased_blocks,
+                engine.release_lease,
                 host=self.host,
                 port=self.port,
-                layout=engine.handoff.layout,
+                layout=engine.kv_layout,
                 key=self.key,
             ).start()
-            engine.handoff.address = self.server.address
+            engine.transport_address = self.server.address
             log.info("KV transport listening on %s", self.server.address)
 
     def close(self) -> None:

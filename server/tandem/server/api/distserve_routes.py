@@ -80,9 +80,9 @@ async def engine_info(request: Request) -> dict[str, Any]:
     state.check_admitting()
     info = await state.engine.call(
         lambda e: {
-            "engine_id": e.handoff.engine_id,
-            "kv_layout": e.handoff.layout.to_dict(),
-            "address": e.handoff.address,
+            "engine_id": e.engine_id,
+            "kv_layout": e.kv_layout.to_dict(),
+            "address": e.transport_address,
         }
     )
     return {
@@ -98,7 +98,7 @@ async def p2p_initialize(body: P2PInitializeRequest, request: Request) -> dict[s
     """TCP needs no registration ahead of a connect; answers with this engine's identity."""
     state = get_state(request)
     state.check_admitting()
-    engine_id = await state.engine.call(lambda e: e.handoff.engine_id)
+    engine_id = await state.engine.call(lambda e: e.engine_id)
     return {"success": True, "engine_id": engine_id}
 
 
@@ -154,7 +154,7 @@ async def free_cache(body: FreeCacheRequest, request: Request) -> dict[str, Any]
             param="remote_lease_id",
             code="missing_required_field",
         )
-    released = await state.engine.call(lambda e: e.handoff.release_lease(lease))
+    released = await state.engine.call(lambda e: e.release_lease(lease))
     return {"success": released}
 
 
@@ -162,5 +162,5 @@ async def free_cache(body: FreeCacheRequest, request: Request) -> dict[str, Any]
 async def gc(request: Request) -> dict[str, Any]:
     """Sweep leases that were released or have expired (their decode engine never came)."""
     state = get_state(request)
-    ended = await state.engine.call(lambda e: e.handoff.leases.sweep())
+    ended = await state.engine.call(lambda e: e.sweep_leases())
     return {"success": True, "freed_leases": ended}

@@ -373,7 +373,7 @@ class AsyncEngine:
         """How long an idle loop waits for a command: at most 1 s (sessions expire), and no
         later than the next KV lease's expiry, so an engine nobody calls still frees an
         unpulled lease's blocks on time (``_expire``), not at its next step."""
-        expiry = self._engine.handoff.leases.next_expiry() if self._engine is not None else None
+        expiry = self._engine.next_lease_expiry() if self._engine is not None else None
         if expiry is None:
             return 1.0
         return min(1.0, max(0.0, expiry - time.monotonic()) + 0.01)
@@ -409,24 +409,26 @@ class AsyncEngine:
                 self._abort_tracked(engine, list(self._tracked))
 
     def _add(self, engine: LLMEngine, cmd: _Add) -> None:
-        """One add, on the engine thread, inside its prefix-cache partition, so it hits only
-        its own tenant's blocks."""
+        """One add, on the engine thread, in its prefix-cache partition (its tenant and
+        salt), so it hits only its own tenant's blocks."""
         if not cmd.future.set_running_or_notify_cancel():
             return
         try:
-            if self._max_waiting is not None and len(engine.scheduler.waiting) >= self._max_waiting:
+            if self._max_waiting is not None and engine.num_waiting >= self._max_waiting:
                 raise QueueFullError(
                     f"the waiting queue is full ({self._max_waiting} requests); retry later"
                 )
-            kwargs: dict[str, Any] = {"stream": cmd.stream}
-            if cmd.session_id is not None:
-                kwargs["session_id"] = cmd.session_id
-            if cmd.kv_transfer:
-                kwargs["kv_transfer"] = cmd.kv_transfer
-            if cmd.pooling is not None:
-                kwargs["pooling"] = cmd.pooling
-            with engine.inputs.cache_partition(cmd.tenant, cmd.cache_salt):
-                ids = engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **kwargs)
+            ids = engine.add_request(
+                cmd.request_id,
+                cmd.prompt,
+                cmd.params,
+                stream=cmd.stream,
+                session_id=cmd.session_id,
+                kv_transfer=cmd.kv_transfer or None,
+                pooling=cmd.pooling,
+                tenant=cmd.tenant,
+                cache_salt=cmd.cache_salt,
+            )
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             cmd.future.set_exception(exc)
             return
@@ -545,7 +547,7 @@ class AsyncEngine:
 
     def _dispatch_pulls(self, engine: LLMEngine) -> None:
         """Hand the engine's KV pulls to the puller; each reports back as a command."""
-        for task in engine.handoff.take_pull_tasks():
+        for task in engine.take_pull_tasks():
             if self.puller is None:
                 engine.complete_pull(task.request_id, "this engine has no KV transport")
                 continue
@@ -557,7 +559,10 @@ class AsyncEngine:
             self.puller.submit(task, engine.kv_cache, done)
 
     def _expire(self, engine: LLMEngine) -> None:
-        engine.handoff.leases.sweep()
+        """Once per loop, stepped or idle: the loop's one lease sweep (``step`` does none;
+        released and expired leases' blocks are freed here), and every so often idle
+        sessions expire."""
+        engine.sweep_leases()
         ttl = self._session_ttl
         if not ttl:
             return
@@ -565,7 +570,7 @@ class AsyncEngine:
         if now - self._last_expiry < min(1.0, ttl / 4):
             return
         self._last_expiry = now
-        if n := engine.sessions.expire(ttl):
+        if n := engine.expire_sessions(ttl):
             log.info("expired %d idle session(s)", n)
 
     def _publish(self, state: str) -> None:

@@ -440,7 +440,7 @@ async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     state = get_state(request)
     state.check_admitting()
     key = tenancy.session_key(session_id, tenancy.request_owner(request)) or session_id
-    deleted = await state.engine.call(lambda e: e.sessions.delete(key))
+    deleted = await state.engine.call(lambda e: e.delete_session(key))
     deleted = state.histories.drop(key) or deleted
     if not deleted:
         raise APIError(

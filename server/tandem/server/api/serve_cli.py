@@ -119,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tandem.server.engine import LLMEngine
     from tandem.server.engine.default_model import resolve_model
-    from tandem.server.engine.models.config import ModelConfig, ModelLoadError
+    from tandem.server.engine.loader import read_model_config
+    from tandem.server.engine.models.config import ModelLoadError
     from tandem.server.engine.tokenizer import load_tokenizer
     from tandem.server.logsafe import configure_logging
 
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 settings.role,
             )
         tokenizer = load_tokenizer(model_dir)
-        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+        vocab_size = read_model_config(model_dir).vocab_size
     except ModelLoadError as exc:
         log.error("cannot load the model: %s", exc)
         return 1

@@ -10,7 +10,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .kv_transfer import RemotePrefill
 from .request import Request, RequestStatus
 from .structured import GrammarCache, GrammarSpec
 
@@ -18,16 +17,15 @@ from .structured import GrammarCache, GrammarSpec
 @dataclass
 class Compiling:
     group: list[Request]
-    remote: RemotePrefill | None
     grammar: Future
 
     def fail(self) -> None:
         """The grammar did not compile: the group ends, aborted, with the compiler's error."""
-        self.group[0].error = str(self.grammar.exception())
-        self.group[0].error_code = "invalid_schema"
+        self.group[0].output.error = str(self.grammar.exception())
+        self.group[0].output.error_code = "invalid_schema"
         for req in self.group:
             req.status = RequestStatus.FINISHED_ABORTED
-            req.finished_time = time.monotonic()
+            req.times.finished = time.monotonic()
 
 
 class CompilingGroups:
@@ -48,8 +46,8 @@ class CompilingGroups:
             grammar.result()
         return grammar
 
-    def hold(self, group: list[Request], remote: RemotePrefill | None, grammar: Future) -> None:
-        self._held.append(Compiling(group, remote, grammar))
+    def hold(self, group: list[Request], grammar: Future) -> None:
+        self._held.append(Compiling(group, grammar))
 
     def drop(self, group: list[Request]) -> None:
         self._held = [c for c in self._held if c.group is not group]
@@ -67,4 +65,4 @@ class CompilingGroups:
         """Give each sequence of the group a matcher of its own (n > 1 sample independently)."""
         compiled = grammar.result()
         for req in group:
-            req.grammar = self.grammars.sequence(compiled, req.params.structured)
+            req.sampling.grammar = self.grammars.sequence(compiled, req.params.structured)

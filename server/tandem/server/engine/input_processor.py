@@ -23,7 +23,7 @@ from .limits import check_pooled, check_request
 from .models.config import ModelConfig, eos_token_ids
 from .pooling import PoolingParams, check_dimensions
 from .prefix_cache import ROOT_HASH, salted_root
-from .request import Request
+from .request import OutputState, PoolingState, Request, SamplingState, Timings
 from .sampling_params import InvalidParamError, SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -100,12 +100,11 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
-            max_tokens=0,
-            eos_token_ids=self.eos_token_ids,
+            sampling=SamplingState(max_tokens=0, eos_token_ids=self.eos_token_ids),
             arrival_order=next(self._arrival),
             group_id=request_id,
-            arrival_time=time.monotonic(),
-            pooling=pooling.resolve(self.default_pooling),
+            times=Timings(arrival=time.monotonic()),
+            pooling=PoolingState(pooling.resolve(self.default_pooling)),
             cache_root=self._cache_root,
         )
 
@@ -119,22 +118,19 @@ class InputProcessor:
         stream: bool,
     ) -> Request:
         seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            if stream or params.stop
+            else None
+        )
         return Request(
             request_id=request_id if params.n == 1 else f"{request_id}-{index}",
             prompt_token_ids=prompt_ids,
             params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
+            sampling=SamplingState(max_tokens, self.eos_token_ids, self.new_generator(seed)),
             arrival_order=next(self._arrival),
             group_id=request_id,
-            index=index,
-            stream=stream,
-            arrival_time=time.monotonic(),
-            generator=self.new_generator(seed),
+            output=OutputState(index=index, stream=stream, detokenizer=detokenizer),
+            times=Timings(arrival=time.monotonic()),
             cache_root=self._cache_root,
-            detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                if stream or params.stop
-                else None
-            ),
         )

@@ -19,7 +19,7 @@ from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVLayout, PullTask, RemotePrefill, handoff_params
 from .leases import LeaseStore
-from .request import Request, RequestStatus
+from .request import HandoffState, Request, RequestStatus
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import Scheduler
 
@@ -49,16 +49,17 @@ class KVHandoff:
         params: SamplingParams,
         session_id: str | None,
         num_prompt_tokens: int,
-    ) -> tuple[SamplingParams, bool, RemotePrefill | None]:
-        """A request's ``kv_transfer_params``: (its params, runs as a prefill, the handle to pull)."""
+    ) -> tuple[SamplingParams, HandoffState | None]:
+        """A request's ``kv_transfer_params``: its params, and its P/D part (None when it is
+        not disaggregated): whether it runs as a prefill, the handle to pull."""
         if not kv_transfer:
-            return params, False, None
+            return params, None
         remote_decode = bool(kv_transfer.get("do_remote_decode"))
         remote = (
             RemotePrefill.from_params(kv_transfer) if kv_transfer.get("do_remote_prefill") else None
         )
         if not (remote_decode or remote):
-            return params, False, None
+            return params, None
         if params.n != 1 or session_id is not None:
             raise InvalidParamError(
                 "kv_transfer_params", "a disaggregated request takes n=1 and no session"
@@ -77,13 +78,13 @@ class KVHandoff:
             )
         if remote_decode:
             params = params.clone(max_tokens=1, min_tokens=0)
-        return params, remote_decode, remote
+        return params, HandoffState(remote_decode, remote)
 
     # ----- prefill side -------------------------------------------------------------------
     def grant_lease(self, req: Request) -> None:
         """The finished prompt's blocks stay held for the decode engine's pull."""
         lease_id = self.leases.grant(req.block_ids)
-        req.kv_transfer_params = handoff_params(
+        req.handoff.kv_transfer_params = handoff_params(
             self.engine_id,
             req.block_ids,
             req.num_computed_tokens,
@@ -102,7 +103,7 @@ class KVHandoff:
     def release_unpulled(self, req: Request) -> None:
         """The first token ended the request: the host only releases the prefill's lease
         (a pull of no blocks), so no engine holds blocks for nobody."""
-        remote = req.remote_prefill
+        remote = req.handoff.remote_prefill
         self._tasks.append(
             PullTask(req.request_id, remote.address, remote.lease_id, remote.engine_id, [], [])
         )
@@ -116,7 +117,7 @@ class KVHandoff:
             if not self.kv.allocate(req, req.num_prompt_tokens - hit * self.kv.block_size, prefix):
                 still.append(req)
                 continue
-            remote = req.remote_prefill
+            remote = req.handoff.remote_prefill
             end = self.kv.blocks_for(req.num_prompt_tokens)
             self._tasks.append(
                 PullTask(
@@ -128,7 +129,7 @@ class KVHandoff:
                     req.block_ids[hit:end],
                 )
             )
-            req.pull_in_flight = True
+            req.handoff.pull_in_flight = True
             self.pulling[req.request_id] = req
         self.waiting = still
 
@@ -142,7 +143,7 @@ class KVHandoff:
         req = self.pulling.pop(request_id, None)
         if req is None:
             return None
-        req.pull_in_flight = False
+        req.handoff.pull_in_flight = False
         if req.status.finished:  # aborted while its blocks were being written
             self.kv.free(req)
             return None
@@ -156,18 +157,16 @@ class KVHandoff:
             req.num_computed_tokens = 0
             self.scheduler.add(req, front=True)
             return None
-        req.error = (
-            f"KV transfer from prefill engine {req.remote_prefill.engine_id} failed: {error}"
-        )
-        req.error_code = "kv_transfer_error"
+        req.output.error = f"KV transfer from prefill engine {req.handoff.remote_prefill.engine_id} failed: {error}"
+        req.output.error_code = "kv_transfer_error"
         req.status = RequestStatus.FINISHED_ABORTED
-        req.finished_time = time.monotonic()
+        req.times.finished = time.monotonic()
         return req
 
     def abort(self, req: Request) -> bool:
         """Take an aborted request out; True if a pull still writes into its blocks (freed when
         the pull completes), so the caller must not free them now."""
-        if req.pull_in_flight:
+        if req.handoff is not None and req.handoff.pull_in_flight:
             req.status = RequestStatus.FINISHED_ABORTED
             return True
         if req in self.waiting:
@@ -175,5 +174,5 @@ class KVHandoff:
         return False
 
     def release_lease(self, lease_id: str) -> bool:
-        """Any thread: hand a lease's blocks back (they are freed at the next step or sweep)."""
+        """Any thread: hand a lease's blocks back (they are freed at the next sweep)."""
         return self.leases.ask_release(lease_id)

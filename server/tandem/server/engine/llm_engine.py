@@ -2,6 +2,11 @@
 
 One thread drives it (``step``); the API layer feeds it through ``add_request`` and
 ``abort_request`` between steps. Nothing here does I/O beyond loading the model.
+
+A host (the server's engine loop, its routes, the P/D transport) uses only ``LLMEngine``'s
+own methods and properties, never its parts (scheduler, sessions, handoff): the section "the
+host's face" below is everything else it may read or call, as vLLM's ``SchedulerInterface`` is
+for its engine core, so the parts can change without touching the server.
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ from .config import EngineConfig
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
 from .kv_handoff import KVHandoff
-from .kv_transfer import KVLayout, RemotePrefill
+from .kv_transfer import KVLayout, PullTask
 from .limits import max_model_len
+from .loader import read_model_config
 from .memory import DeviceMemory
-from .models.config import ModelConfig
-from .output_processor import group_output
+from .output_processor import add_text, finish_text, group_output
 from .outputs import RequestOutput
 from .pooling import PoolingParams, fold_hidden_rows
 from .request import Request, RequestStatus, TokenLogprob
@@ -38,7 +43,7 @@ from .worker import Worker
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = read_model_config(config.model)
         self.worker = Worker(config, self.model_config)
         self.device, self.kv_cache = self.worker.runner.device, self.worker.runner.kv_cache
         num_blocks = self.worker.runner.num_blocks
@@ -79,6 +84,8 @@ class LLMEngine:
         session_id: str | None = None,
         kv_transfer: dict | None = None,
         pooling: PoolingParams | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
@@ -90,29 +97,43 @@ class LLMEngine:
         for the prompt prefix they hold, and leaves its own blocks there when done.
         With ``pooling`` the request is prefill-only (an embedding): it ends when the prompt
         is computed, its output carries the vector and its blocks go back to the pool.
+        ``tenant`` (the caller's key) and ``cache_salt`` name its prefix-cache partition: it
+        hits only blocks cached under the same ones (``InputProcessor.cache_partition``).
         """
         self.memory.check_awake()
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
-        if pooling is not None:
-            return self._add_pooled(request_id, prompt, params, pooling)
+        with self.inputs.cache_partition(tenant, cache_salt):
+            if pooling is not None:
+                return self._add_pooled(request_id, prompt, params, pooling)
+            return self._add_group(request_id, prompt, params, stream, session_id, kv_transfer)
+
+    def _add_group(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool,
+        session_id: str | None,
+        kv_transfer: dict | None,
+    ) -> list[int]:
+        """A generating request's ``params.n`` sequences, queued (or held for a grammar, or
+        for a KV pull)."""
         if session_id is not None:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = self.inputs.prompt_ids(prompt)
-        params, remote_decode, remote = self.handoff.parse(
-            kv_transfer, params, session_id, len(prompt_ids)
-        )
+        params, handoff = self.handoff.parse(kv_transfer, params, session_id, len(prompt_ids))
         group = self.inputs.group(request_id, prompt_ids, params, stream)
+        group[0].handoff = handoff
         grammar = self._compiling.submit(params.structured)
         if session_id is not None:
             group[0].session_id = session_id
             self.sessions.attach(session_id, group[0])
         self._groups[request_id] = group
-        group[0].remote_decode = remote_decode
         if grammar is not None and not grammar.done():
-            self._compiling.hold(group, remote, grammar)
+            self._compiling.hold(group, grammar)
         else:
-            self._enqueue(group, remote, grammar)
+            self._enqueue(group, grammar)
         self.totals.prompt_tokens += len(prompt_ids)
         return prompt_ids
 
@@ -129,19 +150,17 @@ class LLMEngine:
         self.totals.prompt_tokens += req.num_prompt_tokens
         return req.prompt_token_ids
 
-    def _enqueue(
-        self, group: list[Request], remote: RemotePrefill | None, grammar: Future | None
-    ) -> None:
+    def _enqueue(self, group: list[Request], grammar: Future | None) -> None:
         """Hand a group to the scheduler (or to the KV pull), each sequence with its own matcher."""
         if grammar is not None:
             self._compiling.bind(group, grammar)
-        if remote is None:
-            self.scheduler.add(group[0])
-            return
         req = group[0]
-        req.remote_prefill = remote
+        remote = req.handoff.remote_prefill if req.handoff is not None else None
+        if remote is None:
+            self.scheduler.add(req)
+            return
         if not req.params.greedy:  # keep a seeded generator where an aggregated run would be
-            self.worker.skip_draw(req.generator)
+            self.worker.skip_draw(req.sampling.generator)
         # The prefill engine sampled the first token (under the same grammar): take it as ours.
         if not self._append(req, remote.first_token_ids[0], None):
             self.handoff.wait_for_blocks(req)
@@ -153,7 +172,7 @@ class LLMEngine:
         """Groups whose grammar finished compiling join the queue; a failed one ends with its error."""
         for c in self._compiling.take_done():
             if c.grammar.exception() is None:
-                self._enqueue(c.group, c.remote, c.grammar)
+                self._enqueue(c.group, c.grammar)
                 continue
             c.fail()
             if c.group[0].session_id is not None:
@@ -185,11 +204,11 @@ class LLMEngine:
         one API request, ends with ``error`` and frees its blocks; the rest of the batch is
         untouched, so one request's parameters or numerics never fail another's."""
         group = self._groups[req.group_id]
-        group[0].error, group[0].error_code = error.message, error.code
+        group[0].output.error, group[0].output.error_code = error.message, error.code
         now = time.monotonic()
         for r in group:
             if not r.status.finished:
-                r.finished_time = now
+                r.times.finished = now
                 self._stop(r, RequestStatus.FINISHED_ERROR)
 
     def partial_output(self, request_id: str) -> RequestOutput | None:
@@ -205,7 +224,6 @@ class LLMEngine:
 
     # ----- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.handoff.leases.sweep()
         self.handoff.admit()
         self._admit_compiled()
         ready, self._ready_outputs = self._ready_outputs, []
@@ -237,14 +255,14 @@ class LLMEngine:
                 self._append(req, token, lp)
             else:
                 self._fail(req, error)
-            if req.stream or req.status.finished:
+            if req.output.stream or req.status.finished:
                 report[req.group_id] = None
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[str]:
         """Pooled requests whose prompt is now computed finish with their vector."""
         done = fold_hidden_rows(batch.requests, batch.num_new_tokens, hidden)
         for req in done:
-            req.finished_time = time.monotonic()
+            req.times.finished = time.monotonic()
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return [req.group_id for req in done]
 
@@ -253,24 +271,23 @@ class LLMEngine:
         if req.pending_siblings:
             self.scheduler.fork_siblings(req)
         req.output_token_ids.append(token)
-        if req.grammar is not None:
-            req.grammar.advance(req.output_token_ids)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if req.sampling.grammar is not None:
+            req.sampling.grammar.advance(req.output_token_ids)
+        if req.times.first_token is None:
+            req.times.first_token = time.monotonic()
         if logprob is not None:
-            req.logprobs.append(logprob)
-        status, reason = check_stop(req, token, self.max_model_len)
-        if status is None:
+            req.output.logprobs.append(logprob)
+        stop = check_stop(req, token, add_text(req, token), self.max_model_len)
+        if stop is None:
             return False
-        req.stop_reason = reason
-        if req.detokenizer is not None and req.stop_text_end is None:
-            req.detokenizer.finish()
+        req.output.stop_reason, req.output.stop_text_end = stop.reason, stop.text_end
+        finish_text(req)
         if req.session_id is not None:
             self.sessions.detach(req.session_id, req, keep_blocks=True)
-        if req.remote_decode:
+        if req.handoff is not None and req.handoff.remote_decode:
             self.handoff.grant_lease(req)
-        req.finished_time = time.monotonic()
-        self.scheduler.finish(req, status)
+        req.times.finished = time.monotonic()
+        self.scheduler.finish(req, stop.status)
         return True
 
     def _group_output(self, group_id: str) -> RequestOutput | None:
@@ -286,12 +303,68 @@ class LLMEngine:
         if (out := self._group_output(group_id)) is not None:
             self._ready_outputs.append(out)
 
-    # ----- prefill/decode disaggregation ---------------------------------------------------
+    # ----- the host's face: prefill/decode disaggregation ----------------------------------
+    def take_pull_tasks(self) -> list[PullTask]:
+        """The KV pulls the host must run off the engine thread, each reported back with
+        ``complete_pull``."""
+        return self.handoff.take_pull_tasks()
+
     def complete_pull(self, request_id: str, error: str | None = None) -> None:
-        """The host reports a pull from ``handoff.take_pull_tasks`` done (or failed)."""
+        """The host reports a pull from ``take_pull_tasks`` done (or failed)."""
         req = self.handoff.complete_pull(request_id, error)
         if req is not None:
             self._report_between_steps(req.group_id)
+
+    def sweep_leases(self) -> int:
+        """Free the leases released or expired by now; returns how many ended. The host calls
+        it once per loop (``step`` does not), and again when asked to (``/distserve/gc``)."""
+        return self.handoff.leases.sweep()
+
+    def next_lease_expiry(self) -> float | None:
+        """When the soonest lease expires (``time.monotonic``): an idle host sweeps then."""
+        return self.handoff.leases.next_expiry()
+
+    def leased_blocks(self, lease_id: str) -> list[int] | None:
+        """Any thread (the transport's): the blocks a lease holds, None if it is gone."""
+        return self.handoff.leases.blocks(lease_id)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Any thread: hand a lease's blocks back (freed at the next ``sweep_leases``)."""
+        return self.handoff.release_lease(lease_id)
+
+    @property
+    def engine_id(self) -> str:
+        """This engine's id in the handles it hands out and the pulls it runs."""
+        return self.handoff.engine_id
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout, which a peer must share to move blocks."""
+        return self.handoff.layout
+
+    @property
+    def transport_address(self) -> str | None:
+        """Where this engine's KV transport listens (None without one): the host sets it
+        once the transport is up, and every handle a prefill hands out carries it."""
+        return self.handoff.address
+
+    @transport_address.setter
+    def transport_address(self, address: str | None) -> None:
+        self.handoff.address = address
+
+    # ----- the host's face: queue and sessions ---------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (a host bounds it: the API's 429)."""
+        return len(self.scheduler.waiting)
+
+    def expire_sessions(self, ttl: float) -> int:
+        """Forget sessions idle longer than ``ttl`` seconds; returns how many."""
+        return self.sessions.expire(ttl)
+
+    def delete_session(self, session_id: str) -> bool:
+        """Forget a session and free its blocks now; False if there is none."""
+        return self.sessions.delete(session_id)
 
     # ----- device memory (docs: engine/memory.py) -----------------------------------------
     @property

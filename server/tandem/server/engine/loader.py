@@ -15,15 +15,23 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from . import gguf_loader
-from .models import family_of
-from .models.config import DTYPES, ModelConfig, ModelLoadError, WeightsMismatchError
+from .models.config import (
+    DTYPES,
+    ModelConfig,
+    ModelLoadError,
+    WeightsMismatchError,
+    architecture_of,
+)
+from .models.families import family_of
 from .models.layers import PackedLinear, RowParallelLinear
+from .models.rope import RotaryEmbedding
 from .parallel import SINGLE, TensorParallel
 
 _PACKED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
@@ -60,6 +68,27 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
+def read_model_config(model: str | Path) -> ModelConfig:
+    """From ``model/config.json``, or from the metadata when ``model`` is a .gguf, with the
+    flags of the family its architecture names: the one place a model path becomes a
+    ``ModelConfig``, so the config imports neither the GGUF reader nor the model code."""
+    if gguf_loader.is_gguf(model):
+        return model_config(gguf_loader.hf_config(gguf_loader.open_gguf(model), model))
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model} has no config.json (an HF-format model directory)")
+    try:
+        return model_config(json.loads(path.read_text()))
+    except ValueError as exc:  # bad JSON, or an architecture we have no family for
+        raise ModelLoadError(f"{path}: {exc}") from None
+
+
+def model_config(raw: dict[str, Any]) -> ModelConfig:
+    """An HF ``config.json`` dict (or a GGUF file's metadata as one) as a ``ModelConfig``."""
+    family = family_of(architecture_of(raw))
+    return ModelConfig.from_dict(raw, family.flags(raw))
+
+
 def _checkpoint_tensors(model_dir: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if gguf_loader.is_gguf(model_dir):
         yield from gguf_loader.gguf_tensors(model_dir, cfg)
@@ -74,7 +103,7 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
 ) -> nn.Module:
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = read_model_config(model_dir)
     with torch.device("meta"):
         model = family_of(cfg.architecture)(cfg, tp)
     model.to_empty(device=device)
@@ -164,8 +193,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def _reset_buffers(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
     """Buffers were created on the meta device; compute the RoPE tables for real (in float32)."""
-    from .models.rope import RotaryEmbedding
-
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             real = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)

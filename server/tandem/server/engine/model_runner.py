@@ -80,7 +80,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, 
         if req.pooling is not None:
             base = len(input_ids) - start
             hidden_rows.extend(
-                base + p for p in rows_read(req.pooling.kind, start, end, req.num_tokens)
+                base + p for p in rows_read(req.pooling.params.kind, start, end, req.num_tokens)
             )
         input_ids.extend(req.token_slice(start, end))
         positions.extend(range(start, end))

@@ -104,13 +104,14 @@ def fold_hidden_rows(
     done: list[Request] = []
     offset = 0
     for req, n in zip(requests, num_new_tokens):
-        if req.pooling is None:
+        pooled = req.pooling
+        if pooled is None:
             continue
-        kind, end = req.pooling.kind, req.num_computed_tokens
+        kind, end = pooled.params.kind, req.num_computed_tokens
         count = len(rows_read(kind, end - n, end, req.num_tokens))
-        req.pooled = accumulate(kind, req.pooled, hidden[offset : offset + count], end - n)
+        pooled.vector = accumulate(kind, pooled.vector, hidden[offset : offset + count], end - n)
         offset += count
         if end == req.num_tokens:
-            req.pooled = finish(req.pooling, req.pooled, req.num_tokens)
+            pooled.vector = finish(pooled.params, pooled.vector, req.num_tokens)
             done.append(req)
     return done

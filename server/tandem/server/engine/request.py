@@ -1,4 +1,6 @@
-"""A request's state inside the engine: its tokens, its block table, how far it has been computed."""
+"""A request's state inside the engine: its tokens, its block table, how far it has been
+computed, and the parts only one side of the engine reads (sampling, output, P/D, timings,
+pooling)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # this request alone failed (``Request.error`` says why)
+    FINISHED_ERROR = "error"  # this request alone failed (``Request.output.error`` says why)
 
     @property
     def finished(self) -> bool:
@@ -41,24 +43,84 @@ class TokenLogprob:
 
 
 @dataclass(eq=False)
+class SamplingState:
+    """What drawing and stopping a sequence's next token read beyond its ``SamplingParams``:
+    its length limit (``max_tokens`` resolved against the context), the model's EOS ids, its
+    own generator (seeded per choice) and its grammar's matcher (structured outputs)."""
+
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    grammar: SequenceGrammar | None = None
+
+
+@dataclass(eq=False)
+class OutputState:
+    """What the output path keeps for a sequence: its choice ``index``, its text so far (a
+    stream's, or one with stop strings, has a detokenizer), its logprobs, why it ended, and
+    for a ``stream`` how much of it has been reported already (the cursor its deltas start at)."""
+
+    index: int = 0
+    stream: bool = False
+    detokenizer: IncrementalDetokenizer | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    stop_text_end: int | None = None  # output text is cut here when a stop string matched
+    error: str | None = None  # why it ended without finishing (a failed pull, a failed draw)
+    error_code: str | None = None  # the error's kind, for the API's status (api/generation.py)
+    num_reported_tokens: int = 0
+    num_reported_logprobs: int = 0  # a decode-side request's first token came without one
+    num_reported_chars: int = 0
+    finish_reported: bool = False
+
+
+@dataclass(eq=False)
+class HandoffState:
+    """P/D: a prefill-role request (``remote_decode``) keeps its blocks under a lease when it
+    finishes and hands out ``kv_transfer_params``; a decode-role one (``remote_prefill``) gets
+    its prompt's K/V by a pull before it is scheduled."""
+
+    remote_decode: bool = False
+    remote_prefill: RemotePrefill | None = None
+    pull_in_flight: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(eq=False)
+class Timings:
+    """``time.monotonic()`` at arrival (``add_request``), first token and finish."""
+
+    arrival: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class PoolingState:
+    """A pooled request (embeddings) is prefill-only: it ends when its prompt is computed,
+    with ``vector`` (the running pooling state, then the vector) instead of tokens."""
+
+    params: PoolingParams
+    vector: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
 class Request:
-    """One sequence being generated. A request with ``n > 1`` becomes ``n`` of these (a group)."""
+    """One sequence being generated. A request with ``n > 1`` becomes ``n`` of these (a group).
+
+    The fields the scheduler and the KV cache read on every step are its own; the rest is in
+    parts, each read by one side: ``sampling`` (the sampler, the stop checks), ``output`` (the
+    output path), ``handoff`` (P/D), ``times`` and ``pooling``.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
-    eos_token_ids: frozenset[int]
+    sampling: SamplingState
     arrival_order: int
     group_id: str
-    index: int = 0
-    stream: bool = False
     session_id: str | None = None
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    grammar: SequenceGrammar | None = None  # the output's matcher (structured outputs)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     # The prefix cache partition (tenant and cache_salt) its block hashes start from.
@@ -67,30 +129,12 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: str | int | None = None
-    stop_text_end: int | None = None  # output text is cut here when a stop string matched
-    # A streamed request's deltas: how much of it has been reported already.
-    num_reported_tokens: int = 0
-    num_reported_logprobs: int = 0  # a decode-side request's first token came without one
-    num_reported_chars: int = 0
-    finish_reported: bool = False
-    # P/D: a prefill-role request keeps its blocks under a lease when it finishes; a
-    # decode-role request gets its prompt's K/V by a pull before it is scheduled.
-    remote_decode: bool = False
-    remote_prefill: RemotePrefill | None = None
-    pull_in_flight: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None  # why it ended without finishing (a failed pull, a failed draw)
-    error_code: str | None = None  # the error's kind, for the API's status (api/generation.py)
-    arrival_time: float = 0.0  # time.monotonic() at add_request
-    first_token_time: float | None = None
-    finished_time: float | None = None
     # Siblings of an n > 1 group are forked from this request once its prompt is computed.
     pending_siblings: list[Request] = field(default_factory=list)
-    # A pooled request (embeddings) is prefill-only: it ends when its prompt is computed,
-    # with ``pooled`` (the running pooling state, then the vector) instead of tokens.
-    pooling: PoolingParams | None = None
-    pooled: torch.Tensor | None = None
+    output: OutputState = field(default_factory=OutputState)
+    times: Timings = field(default_factory=Timings)
+    handoff: HandoffState | None = None  # only a disaggregated request has one
+    pooling: PoolingState | None = None  # only a pooled request has one
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -48,7 +48,7 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """logits: [len(requests), vocab], float32; rows with a grammar are masked in place."""
-    apply_grammar_masks(logits, [r.grammar for r in requests])
+    apply_grammar_masks(logits, [r.sampling.grammar for r in requests])
     raw_logprobs = _raw_logprobs(logits, requests)
     processed = _process(logits, requests)
     best, best_ids = processed.max(dim=-1)
@@ -141,7 +141,9 @@ def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
         ids = [t for t in p.logit_bias if 0 <= t < vocab]
         row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
     if len(req.output_token_ids) < p.min_tokens:
-        banned = [t for t in (set(req.eos_token_ids) | set(p.stop_token_ids)) if 0 <= t < vocab]
+        banned = [
+            t for t in (set(req.sampling.eos_token_ids) | set(p.stop_token_ids)) if 0 <= t < vocab
+        ]
         row[banned] = float("-inf")
     if not p.greedy:  # scaled here, so the batch's one finiteness check covers the draw's row
         row = row / _clamp(p.temperature)
@@ -168,7 +170,9 @@ def _draw(row: torch.Tensor, req: Request) -> int:
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return int(
-        torch.searchsorted(_cdf(probs), draw_uniform(req.generator, probs.device), right=True)
+        torch.searchsorted(
+            _cdf(probs), draw_uniform(req.sampling.generator, probs.device), right=True
+        )
     )
 
 

@@ -100,7 +100,9 @@ class Scheduler:
                 break
             # A request that already holds blocks (a session's turn) starts after them; one
             # pooling every row's hidden state computes them all.
-            whole = req.block_ids or (req.pooling is not None and req.pooling.reads_every_row)
+            whole = req.block_ids or (
+                req.pooling is not None and req.pooling.params.reads_every_row
+            )
             prefix = None if whole else self.kv.find_cached_prefix(req)
             start = (
                 len(prefix.block_ids) * self.kv.block_size if prefix else req.num_computed_tokens

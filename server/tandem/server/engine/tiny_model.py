@@ -10,11 +10,14 @@ drawn with std 0.2 rather than transformers' 0.02: a model that small initialise
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from .paths import cache_dir
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -165,10 +168,6 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
 
 def default_model_dir(arch: str = "llama", seed: int = 0) -> Path:
     """The embedded default: made on first use into the user's cache, then reused."""
-    import os
-
-    from .default_model import cache_dir
-
     path = cache_dir() / f"tiny-{arch}-seed{seed}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

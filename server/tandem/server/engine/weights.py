@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import gguf_loader
+from .loader import read_model_config
 from .models.config import ModelConfig, ModelLoadError, WeightsMismatchError
 
 # ModelConfig fields new weights may change without touching the running engine's shapes.
@@ -61,7 +62,7 @@ def check_compatible(running: ModelConfig, path: str | Path) -> ModelConfig:
     """The config of the weights at ``path``, if they can replace ``running``'s; else a
     ``WeightsMismatchError`` naming the fields that differ (``ModelLoadError`` when ``path``
     is not a model at all)."""
-    new = ModelConfig.from_dir(path)
+    new = read_model_config(path)
     differ = [
         f.name
         for f in dataclasses.fields(ModelConfig)

@@ -1,7 +1,7 @@
 """Builds the C kernels into one shared library per machine and loads it with ctypes.
 
 It is compiled with the machine's own compiler for the machine's own ISA (``-march=native``),
-cached in Tandem's cache directory (``default_model.cache_dir``) by a hash of the sources,
+cached in Tandem's cache directory (``paths.cache_dir``) by a hash of the sources,
 flags and CPU, and linked against the OpenMP runtime PyTorch already loaded (one thread pool,
 not two). Where no C compiler is installed, or the build fails, ``load`` says so once and
 returns None: callers keep their PyTorch path.
@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..default_model import cache_dir
+from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
 

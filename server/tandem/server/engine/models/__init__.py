@@ -1,23 +1,5 @@
-"""Model families by the architecture names HuggingFace configs carry."""
+"""The decoder models: the Llama network (``llama.py``) and the families that set its flags.
 
-from __future__ import annotations
-
-from .llama import LlamaForCausalLM
-from .qwen2 import Qwen2ForCausalLM
-from .qwen3 import Qwen3ForCausalLM
-
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-
-
-def family_of(architecture: str) -> type[LlamaForCausalLM]:
-    try:
-        return ARCHITECTURES[architecture]
-    except KeyError:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}"
-        ) from None
+Nothing is imported here, so ``models.config`` (``ModelConfig``, a leaf) costs no model code;
+``families.py`` maps the architecture names HuggingFace configs carry to the classes.
+"""

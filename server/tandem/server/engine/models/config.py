@@ -1,7 +1,8 @@
 """The subset of a HuggingFace config.json our decoder models need, read once and frozen.
 
 A model is an HF-format directory (its ``config.json``) or a GGUF file (its metadata, mapped
-onto the same fields by ``gguf_loader``).
+onto the same fields by ``gguf_loader``); ``loader.read_model_config`` reads either. A leaf:
+it imports nothing of the engine, so anything may hold a ``ModelConfig``.
 """
 
 from __future__ import annotations
@@ -51,31 +52,14 @@ class ModelConfig:
     matryoshka_dimensions: tuple[int, ...] = ()
 
     @staticmethod
-    def from_dir(model_dir: str | Path) -> ModelConfig:
-        """From ``model_dir/config.json``, or from the metadata when ``model_dir`` is a .gguf."""
-        from ..gguf_loader import gguf_model_config, is_gguf
-
-        if is_gguf(model_dir):
-            return gguf_model_config(model_dir)
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{model_dir} has no config.json (an HF-format model directory)")
-        try:
-            return ModelConfig.from_dict(json.loads(path.read_text()))
-        except ValueError as exc:  # bad JSON, or an architecture we have no family for
-            raise ModelLoadError(f"{path}: {exc}") from None
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> ModelConfig:
-        from . import family_of
-
-        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-        family = family_of(arch)
+    def from_dict(raw: dict[str, Any], flags: dict[str, bool]) -> ModelConfig:
+        """An HF ``config.json`` dict; ``flags`` (biases, q/k norm) are its family's
+        (``loader.read_model_config`` looks the family up, so this module imports no model)."""
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
-            architecture=arch,
+            architecture=architecture_of(raw),
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -91,8 +75,13 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(raw.get("matryoshka_dimensions") or ()),
-            **family.flags(raw),
+            **flags,
         )
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    """The HF architecture a ``config.json`` dict names (Llama when it names none)."""
+    return (raw.get("architectures") or ["LlamaForCausalLM"])[0]
 
 
 def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

@@ -93,7 +93,12 @@ class RopeTables(NamedTuple):
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin for every position up to ``max_position``; applied in place of HF's."""
+    """Precomputed cos/sin for every position up to ``max_position``; applied in place of HF's.
+
+    One float32 table per device, ``cos_sin`` ``[max_position, rotary_dim]``: the cos of each
+    frequency, then its sin (the layout FlashInfer's fused rotary reads). HF's full-width
+    cos and sin repeat each half twice, so ``tables`` rebuilds a step's rows from it.
+    """
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -101,18 +106,16 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = inv_freq.numel() * 2
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        # the fused CUDA kernel's table: cos of each frequency, then sin, float32
-        half = self.rotary_dim // 2
-        cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1)
+        cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos/sin rows of a step's positions, looked up once per step rather than per layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        """cos/sin rows of a step's positions (``[tokens, 1, rotary_dim]``, contiguous, in
+        ``dtype``), looked up once per step rather than per layer."""
+        rows = self.cos_sin[positions].unsqueeze(1)
+        half = self.rotary_dim // 2
+        cos = rows[..., :half].repeat(1, 1, 2).to(dtype)
+        sin = rows[..., half:].repeat(1, 1, 2).to(dtype)
         return RopeTables(cos, sin, positions)
 
     def forward(

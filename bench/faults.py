@@ -142,7 +142,7 @@ def main() -> int:
     model = args.model
     if model is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.api_helpers import make_model
+        from tests.utils import make_model
 
         model = make_model(tmp / "model")
     proc, base, engines = start_up(model, tmp / "logs")

@@ -8,7 +8,7 @@ too), with every check schemathesis has (server errors, responses as documented,
 accepted; ``schemathesis.toml`` names the few statuses expected beyond those), and fails on
 any failure or a KV block still held after the run. The operations that end a run (pause,
 remove or terminate a node, terminate) are fuzzed last, once the block count is taken.
-CI runs it briefly (``tests/test_fuzz.py``); a long run:
+CI runs it briefly (``tests/api/test_fuzz.py``); a long run:
 
     python bench/fuzz.py --minutes 20 --examples 100000 --only engine/admin
 
@@ -32,8 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.api_helpers import ENGINE_FLAGS, ServerProcess, make_model  # noqa: E402
-from tests.test_proxy_helpers import ProxyProcess, stop_all  # noqa: E402
+from tests.utils import ENGINE_FLAGS, ServerProcess, make_model  # noqa: E402
+from tests.proxy.utils import ProxyProcess, stop_all  # noqa: E402
 
 CLIENT, INTERNAL, ADMIN = "sk-fuzz-client", "sk-fuzz-internal", "sk-fuzz-admin"
 # Every check schemathesis has (bench/schemathesis.toml says where a status is expected).

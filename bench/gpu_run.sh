@@ -77,15 +77,15 @@ aot() {
 
 tests() {
   python3 -m pytest -p no:cacheprovider -q -rs -m cuda -o addopts="" \
-    tests/test_gpu_flashinfer.py tests/test_gpu_graphs.py tests/test_gpu_exactness.py \
-    tests/test_update_weights.py tests/test_gpu_bench.py tests/test_gpu_kernels.py
+    tests/engine/test_flashinfer_backend.py tests/engine/test_cuda_graphs.py tests/engine/test_gpu_exactness.py \
+    tests/api/test_update_weights.py tests/test_bench_gpu.py tests/engine/test_cuda_ops.py
 }
 
 serve() {
   # The API tests against `tandem serve`, the proxy over prefill + decode, and `tandem up`,
   # on the GPU: bf16 models at head size 128, FlashInfer, CUDA graphs.
   TANDEM_TEST_GPU=1 python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
-    tests/test_structured_api.py tests/test_api_lifecycle.py tests/test_pd_http.py \
+    tests/api/test_structured_output.py tests/api/test_lifecycle.py tests/disagg/test_http_flow.py \
     tests/test_local_up.py
 }
 

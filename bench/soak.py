@@ -30,7 +30,7 @@ from openai import OpenAI
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.up_helpers import start_up  # noqa: E402
+from tests.utils import start_up  # noqa: E402
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import Cluster, bin_dir, missing_binaries, wait_for
+from e2e.utils import PEERING, RELEASE, RELEASE_NS, ROOT, Operator, running_operator
 
 
 def _binaries() -> Path:
@@ -74,3 +75,41 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+# ---- the chart and the operator ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chart(cluster: Cluster) -> Iterator[None]:
+    cluster.helm(
+        "install",
+        RELEASE,
+        str(ROOT / "helm/tandem"),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--set",
+        f"peering.name={PEERING}",
+        "--set",
+        "image.tag=e2e",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "crd/inferenceservices.tandem.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+        "--timeout=60s",
+    )
+    yield
+    cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "60s", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    yield from running_operator(Operator(cluster, tmp_path_factory.mktemp("operator")))

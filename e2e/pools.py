@@ -34,7 +34,7 @@ from typing import Any
 from kubernetes import config
 
 from e2e.cluster import Cluster, wait_for
-from e2e.test_operator import _isvc
+from e2e.utils import _isvc
 from tandem.operator.autoscaler.loop import run_planner
 from tandem.operator.autoscaler.metrics import queries
 from tandem.operator.autoscaler.planner import Decision, PlannerState

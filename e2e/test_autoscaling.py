@@ -21,11 +21,10 @@ import openai
 import pytest
 import yaml
 
-from e2e import test_operator as base
 from e2e.cluster import Cluster, wait_for
 from e2e.cluster.paths import THIRD_PARTY_CRDS, crd_dir, missing_crds
 from e2e.pools import PlannerPools, PoolSpec
-from e2e.test_operator import (
+from e2e.utils import (
     RELEASE,
     RELEASE_NS,
     ROOT,
@@ -40,10 +39,9 @@ from tandem.operator.autoscaler.metrics import queries
 from tandem.operator.autoscaler.planner import PlannerState, config_for, decide
 from tandem.operator.autoscaler.profile import PROFILE_KEY, EngineProfile
 from tandem.operator.autoscaler.stabilization import PoolState
-from tests.test_proxy_helpers import PROXY_KEY, ProxyProcess, metric_value
+from tests.proxy.utils import PROXY_KEY, ProxyProcess, metric_value
 
 pytestmark = pytest.mark.usefixtures("third_party_crds")
-chart = base.chart  # the chart installed with helm
 
 
 @pytest.fixture(scope="module")

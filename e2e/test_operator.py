@@ -10,270 +10,29 @@ runs under: a missing permission fails these tests. kwok's fake GPU nodes run th
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from e2e.cluster import Cluster, wait_for
-
-ROOT = Path(__file__).resolve().parents[1]
-RELEASE, RELEASE_NS = "tandem", "tandem-system"
-PEERING = "tandem-e2e"
-
-
-def _isvc(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
-    body = {"model": {"name": "tiny", "uri": "/opt/models/tiny"}, **spec}
-    return {
-        "apiVersion": "tandem.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": body,
-    }
-
-
-def _apply(
-    cluster: Cluster, obj: dict[str, Any], check: bool = True, *extra: str
-) -> subprocess.CompletedProcess[str]:
-    return cluster.kubectl("apply", *extra, "-f", "-", input=json.dumps(obj), check=check)
-
-
-def _get(cluster: Cluster, kind: str, name: str, namespace: str) -> dict[str, Any]:
-    return cluster.kubectl_json("get", kind, name, "-n", namespace)
-
-
-def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next(
-        (c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {}
-    )
-
-
-def _table(cluster: Cluster, namespace: str, name: str, *flags: str) -> dict[str, str]:
-    """`kubectl get tisvc NAME` as {column: cell}, cut at the header's column starts."""
-    header, row = cluster.kubectl(
-        "get", "tisvc", name, "-n", namespace, *flags
-    ).stdout.splitlines()[:2]
-    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
-    bounds = [*starts, len(row) + 1]
-    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(bounds, bounds[1:], strict=False)}
-
-
-def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
-    """The Events on an InferenceService with this reason, as `kubectl get events` lists them."""
-    items = cluster.kubectl_json(
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        f"involvedObject.kind=InferenceService,involvedObject.name={name}",
-    )["items"]
-    return [e for e in items if e.get("reason") == reason]
-
-
-def _patch_engine(
-    cluster: Cluster, namespace: str, name: str, engine: dict[str, Any], generation: int
-) -> None:
-    """Change ``spec.engine`` and wait until the operator has observed that generation."""
-    cluster.kubectl(
-        "patch",
-        "tisvc",
-        name,
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"engine": engine}}),
-    )
-    wait_for(
-        f"observedGeneration {generation}",
-        lambda: (
-            _get(cluster, "tisvc", name, namespace)["status"].get("observedGeneration")
-            == generation
-        ),
-        timeout=60,
-        interval=1,
-    )
-
-
-def _children(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:
-    kinds = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
-    items = cluster.kubectl_json(
-        "get",
-        kinds,
-        "-n",
-        namespace,
-        "-l",
-        f"tandem.dev/inferenceservice={name}",
-        "--show-managed-fields",
-    )["items"]
-    return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
-
-
-# ---- the chart and the operator ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def chart(cluster: Cluster) -> Iterator[None]:
-    cluster.helm(
-        "install",
-        RELEASE,
-        str(ROOT / "helm/tandem"),
-        "-n",
-        RELEASE_NS,
-        "--create-namespace",
-        "--set",
-        f"peering.name={PEERING}",
-        "--set",
-        "image.tag=e2e",
-        "--wait",
-        "--timeout",
-        "120s",
-    )
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/inferenceservices.tandem.dev",
-        "crd/clusterkopfpeerings.kopf.dev",
-        "--timeout=60s",
-    )
-    yield
-    cluster.helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "60s", check=False)
-
-
-class Operator:
-    """``tandem operator`` as a subprocess under the chart's ServiceAccount."""
-
-    def __init__(self, cluster: Cluster, workdir: Path, *extra: str) -> None:
-        self.cluster = cluster
-        self.extra = extra
-        self.log = workdir / "operator.log"
-        self.kubeconfig = workdir / "operator.kubeconfig"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def write_kubeconfig(self) -> None:
-        token = self.cluster.kubectl(
-            "create", "token", RELEASE, "-n", RELEASE_NS, "--duration=2h"
-        ).stdout.strip()
-        admin = yaml.safe_load(self.cluster.kubeconfig.read_text())
-        cluster_entry = admin["clusters"][0]
-        self.kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [cluster_entry],
-                    "users": [{"name": "operator", "user": {"token": token}}],
-                    "contexts": [
-                        {
-                            "name": "operator",
-                            "context": {"cluster": cluster_entry["name"], "user": "operator"},
-                        }
-                    ],
-                    "current-context": "operator",
-                }
-            )
-        )
-
-    def start(self) -> None:
-        self.starts += 1
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("KUBECONFIG", None)
-        with self.log.open("a") as log:
-            log.write(f"\n===== start {self.starts} =====\n")
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tandem.server.cli",
-                    "operator",
-                    "--kubeconfig",
-                    str(self.kubeconfig),
-                    "--peering",
-                    PEERING,
-                    "--liveness",
-                    "",
-                    "--resync-seconds",
-                    "30",
-                    "--image",
-                    "tandem:e2e",
-                    "--gang-scheduling",  # the harness enables Kubernetes' PodGroup API
-                    *self.extra,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-            )
-        time.sleep(1)
-        assert self.running(), self.tail()
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM: kopf leaves the peering on a graceful stop, so a successor leads at once."""
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def output_since_start(self) -> str:
-        text = self.log.read_text()
-        return text[text.rfind(f"===== start {self.starts} =====") :]
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-lines:])
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Operator]:
-    yield from running_operator(Operator(cluster, tmp_path_factory.mktemp("operator")))
-
-
-def running_operator(op: Operator) -> Iterator[Operator]:
-    """Start ``op`` under the chart's ServiceAccount; stop it (and show its log) after."""
-    op.write_kubeconfig()
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        print(f"\n[e2e] operator log tail:\n{op.tail(15)}", file=sys.stderr)
-
-
-def _wait_ready(
-    cluster: Cluster, op: Operator, namespace: str, name: str, timeout: float = 90
-) -> dict[str, Any]:
-    def ready() -> bool:
-        return _condition(_get(cluster, "tisvc", name, namespace), "Ready").get("status") == "True"
-
-    try:
-        wait_for(f"{namespace}/{name} to be Ready", ready, timeout=timeout, interval=1)
-    except TimeoutError:
-        print(
-            json.dumps(_get(cluster, "tisvc", name, namespace).get("status"), indent=1),
-            file=sys.stderr,
-        )
-        print(op.tail(), file=sys.stderr)
-        raise
-    return _get(cluster, "tisvc", name, namespace)
-
+from e2e.utils import (
+    PEERING,
+    RELEASE,
+    RELEASE_NS,
+    ROOT,
+    Operator,
+    _apply,
+    _children,
+    _condition,
+    _events,
+    _get,
+    _isvc,
+    _patch_engine,
+    _table,
+    _wait_ready,
+)
 
 # ---- the chart ------------------------------------------------------------------------------
 
@@ -484,7 +243,6 @@ def test_inference_service_lifecycle(cluster: Cluster, operator: Operator, names
         timeout=60,
         interval=1,
     )
-    time.sleep(2)
     after = {
         k: v["metadata"]["resourceVersion"] for k, v in _children(cluster, namespace, name).items()
     }

@@ -31,3 +31,28 @@ def llama_dir(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> P
     if on_gpu():
         return request.getfixturevalue("gpu_models")["llama"]
     return tiny_models["llama"]
+
+
+@pytest.fixture()
+def pd(llama_dir: Path):
+    """A prefill and a decode engine and the KV transport between them (the P/D tests'
+    engines, driven by hand with ``tests/disagg/utils.py``)."""
+    from tandem.server.disagg.transport import KVTransportClient, KVTransportServer
+    from tandem.server.engine import LLMEngine
+    from tandem.server.engine.config import EngineConfig
+
+    cfg = EngineConfig(
+        model=str(llama_dir), kv_cache_tokens=2048, block_size=8, kv_lease_seconds=30.0
+    )
+    prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
+    server = KVTransportServer(
+        prefill.kv_cache,
+        prefill.leased_blocks,
+        prefill.release_lease,
+        layout=prefill.kv_layout,
+    ).start()
+    prefill.transport_address = server.address
+    client = KVTransportClient(server.address, timeout_s=5)
+    yield prefill, decode, client
+    client.close()
+    server.close()

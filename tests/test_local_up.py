@@ -19,8 +19,7 @@ import yaml
 
 from tandem.server import local
 
-from .api_helpers import wait_until
-from .up_helpers import start_up, stop_up
+from .utils import start_up, stop_up, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

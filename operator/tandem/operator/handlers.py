@@ -98,6 +98,11 @@ def connect(memo: kopf.Memo, **_: Any) -> None:
     state.kube = Kube(client.ApiClient())
     if state.options.peering:
         ensure_peering(state.kube, state.options.peering, state.options.namespaces)
+    log.info(
+        "started: namespaces %s, peering %s",
+        ",".join(state.options.namespaces) or "all",
+        state.options.peering or "none (standalone)",
+    )
 
 
 @kopf.on.login()

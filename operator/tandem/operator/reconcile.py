@@ -132,14 +132,14 @@ async def reconcile(
         state.apply_errors.pop(key, None)
         generation = int(body["metadata"].get("generation") or 0)
         state.applied_generation[key] = generation
-        log.info(
+        await refresh_status(state, key, body, indexes)
+        log.info(  # after the status and its Events: the line says the reconcile is whole
             "[%s/%s] applied %d objects for generation %s",
             namespace,
             name,
             len(manifests),
             generation,
         )
-        await refresh_status(state, key, body, indexes)
 
 
 def _apply_all(

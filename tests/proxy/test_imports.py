@@ -1,0 +1,42 @@
+"""The proxy runs no model, so importing it (and ``tandem proxy``'s command line) loads
+none of the engine: no torch, no transformers, no numpy, no ZMQ transport, nothing of
+``tandem.server.engine``, ``.api`` or ``.disagg``. Checked in a fresh interpreter through
+``sys.modules`` (never by timing; ``bench/import_time.py`` measures the time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+HEAVY = (
+    "torch",
+    "transformers",
+    "numpy",
+    "zmq",
+    "tandem.server.engine",
+    "tandem.server.api",
+    "tandem.server.disagg",
+)
+
+SCRIPT = """
+import json, sys
+import tandem.server.proxy.app, tandem.server.proxy.cli
+from tandem.server.cli import build_parser
+build_parser(only="proxy")  # what `tandem proxy --help` imports
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_proxy_and_its_cli_import_nothing_of_the_engine() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    loaded = json.loads(r.stdout.splitlines()[-1])
+    heavy = [m for m in loaded if m in HEAVY or m.startswith(tuple(h + "." for h in HEAVY))]
+    assert heavy == []
+    assert "tandem.server.wire.protocol" in loaded  # the check looked at the right process

@@ -10,7 +10,6 @@ import pytest
 from tandem.server.engine import LLM, LLMEngine, SamplingParams
 from tandem.server.engine.config import EngineConfig
 from tandem.server.engine.detokenizer import IncrementalDetokenizer
-from tandem.server.engine.stopping import find_stop_string
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +40,6 @@ def test_multibyte_characters_are_split_across_tokens_in_this_tokenizer(llm: LLM
     ids = llm.tokenizer.encode("🚀")
     assert len(ids) > 1
     assert "\ufffd" in llm.tokenizer.decode(ids[:1])
-
-
-def test_find_stop_string_only_searches_the_new_tail() -> None:
-    assert find_stop_string("hello wor", 3, ["world"]) is None
-    assert find_stop_string("hello world", 2, ["world"]) == (6, "world")
-    assert find_stop_string("ab stop cd stop", 4, ["stop"]) == (11, "stop")
 
 
 def _split_stop_case(llm: LLM) -> tuple[str, str, str]:

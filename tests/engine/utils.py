@@ -1,6 +1,7 @@
-"""Helpers for the engine's tests: a request without an engine, an engine run to the end,
-the prompts the exactness tests share, and GGUF files written the way llama.cpp's converter
-does from the tests' HF-format tiny models.
+"""Helpers for the engine's tests: a request without an engine (its text over a byte-level
+tokenizer that needs no files), an engine run to the end, the prompts the exactness tests
+share, and GGUF files written the way llama.cpp's converter does from the tests' HF-format
+tiny models.
 
 The GGUF writer is independent of the loader under test: names, llama's q/k row permutation
 and the metadata keys follow llama.cpp's ``convert_hf_to_gguf.py``; quantization is the
@@ -19,7 +20,9 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 from tandem.server.engine import LLMEngine
-from tandem.server.engine.request import Request, SamplingState
+from tandem.server.engine.detokenizer import IncrementalDetokenizer
+from tandem.server.engine.output_processor import add_text
+from tandem.server.engine.request import OutputState, Request, SamplingState
 from tandem.server.engine.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -36,15 +39,54 @@ PROMPTS = [
 ]
 
 
-def make_request(tokens: list[int], rid: str = "r", order: int = 0) -> Request:
+def make_request(
+    tokens: list[int],
+    rid: str = "r",
+    order: int = 0,
+    *,
+    params: SamplingParams | None = None,
+    max_tokens: int = 16,
+    eos_token_ids: frozenset[int] = frozenset(),
+    output: OutputState | None = None,
+    group_id: str | None = None,
+) -> Request:
+    """A request as the input processor builds one, without a model or a tokenizer."""
     return Request(
         request_id=rid,
         prompt_token_ids=tokens,
-        params=SamplingParams(),
-        sampling=SamplingState(max_tokens=16, eos_token_ids=frozenset()),
+        params=params or SamplingParams(),
+        sampling=SamplingState(max_tokens=max_tokens, eos_token_ids=eos_token_ids),
         arrival_order=order,
-        group_id=rid,
+        group_id=group_id or rid,
+        output=output or OutputState(),
     )
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer without a vocabulary file: token ``i < 256`` is byte ``i`` and
+    anything above is a special token (skipped), so a multi-byte character or a stop string
+    spans several tokens, as with a real byte-level BPE."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+def text_output(index: int = 0, stream: bool = False) -> OutputState:
+    """The output state of a sequence whose text is detokenized as it runs (a stream's, or
+    one with stop strings), over ``ByteTokenizer``."""
+    return OutputState(
+        index=index, stream=stream, detokenizer=IncrementalDetokenizer(ByteTokenizer())
+    )
+
+
+def emit(req: Request, token: int) -> str:
+    """Append a sampled ``token`` as the engine does before its stop check: the token, then
+    its text; returns the text that became final."""
+    req.output_token_ids.append(token)
+    return add_text(req, token)
 
 
 def drain(engine: LLMEngine) -> dict:

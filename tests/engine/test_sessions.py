@@ -4,9 +4,10 @@ where the pool's LRU order determines them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from tandem.server.engine import sessions
 from tandem.server.engine.kv_cache_manager import KVCacheManager
 from tandem.server.engine.request import Request, RequestStatus
 from tandem.server.engine.sampling_params import InvalidParamError
@@ -21,7 +22,7 @@ BS = 4
 class EngineParts:
     """The parts of the engine a session touches, driven by hand."""
 
-    def __init__(self, num_blocks: int = 16, max_blocks: int = 100, **caps: int) -> None:
+    def __init__(self, num_blocks: int = 16, max_blocks: int = 100, **caps: Any) -> None:
         self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=True)
         self.scheduler = Scheduler(self.kv, max_num_seqs=8, max_num_batched_tokens=64)
         self.store = SessionStore(self.kv, max_blocks, **caps)
@@ -58,7 +59,7 @@ def live(store: SessionStore, *session_ids: str) -> list[str]:
 
 
 class Clock:
-    """``sessions``' view of ``time``: a monotonic clock the test sets."""
+    """The store's clock, set by the test."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -68,10 +69,8 @@ class Clock:
 
 
 @pytest.fixture()
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(sessions, "time", c)
-    return c
+def clock() -> Clock:
+    return Clock()
 
 
 HISTORY = [1, 2, 3, 4, 5, 6]  # turn 1's prompt; its reply is [7, 8]
@@ -234,7 +233,7 @@ def test_a_full_store_forgets_the_opening_keys_idle_session_else_the_largest_key
 
 
 def test_sessions_idle_longer_than_the_ttl_expire_and_free_their_blocks(clock: Clock) -> None:
-    e = EngineParts()
+    e = EngineParts(clock=clock.monotonic)
     clock.now = 100.0
     e.turn("old", [1, 2, 3, 4, 5], [6])  # blocks 1, 2
     clock.now = 150.0
@@ -253,7 +252,7 @@ def test_sessions_idle_longer_than_the_ttl_expire_and_free_their_blocks(clock: C
 
 
 def test_a_new_turn_renews_its_session_against_the_ttl(clock: Clock) -> None:
-    e = EngineParts()
+    e = EngineParts(clock=clock.monotonic)
     e.turn("s", [1, 2, 3, 4, 5], [6])
     clock.now = 100.0
     e.turn("s", [1, 2, 3, 4, 5, 6, 7], [8])

@@ -49,7 +49,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the blocks hold
     block_ids: list[int] = field(default_factory=list)
     busy: bool = False
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0  # on the store's clock
 
 
 class SessionStore:
@@ -59,8 +59,10 @@ class SessionStore:
         max_blocks: int,
         max_sessions: int = MAX_SESSIONS,
         max_per_key: int = MAX_SESSIONS_PER_KEY,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
+        self._clock = clock  # idle time and LRU order; a test passes its own
         self.max_blocks = max_blocks
         self.max_sessions = max_sessions
         self.max_per_key = max_per_key
@@ -79,7 +81,7 @@ class SessionStore:
         s = self._sessions.get(session_id) or self._open(session_id)
         self._sessions.move_to_end(session_id)
         s.busy = True
-        s.last_used = time.monotonic()
+        s.last_used = self._clock()
         self.held_blocks -= len(s.block_ids)
         bs = self.kv.block_size
         common = _common_prefix(s.token_ids, req.prompt_token_ids, limit=req.num_prompt_tokens - 1)
@@ -113,7 +115,7 @@ class SessionStore:
             self._remove(session_id)
             return
         s.busy = False
-        s.last_used = time.monotonic()
+        s.last_used = self._clock()
         self._sessions.move_to_end(session_id)
         self.held_blocks += len(s.block_ids)
         if self.held_blocks > self.max_blocks:
@@ -128,7 +130,7 @@ class SessionStore:
             self._forget_idle(owner)
         if len(self._sessions) >= self.max_sessions and not self._forget_idle(owner):
             self._forget_idle(self._largest_owner())
-        s = self._sessions[session_id] = Session(session_id, owner)
+        s = self._sessions[session_id] = Session(session_id, owner, last_used=self._clock())
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         return s
 
@@ -189,7 +191,7 @@ class SessionStore:
         return True
 
     def expire(self, idle_seconds: float) -> int:
-        cutoff = time.monotonic() - idle_seconds
+        cutoff = self._clock() - idle_seconds
         stale = [sid for sid, s in self._sessions.items() if not s.busy and s.last_used < cutoff]
         for sid in stale:
             self.delete(sid)

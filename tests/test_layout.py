@@ -160,3 +160,13 @@ def test_long_functions_finds_nested_ones(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text(f"def outer():\n    def inner():\n{body}\n")
     found = long_functions(tmp_path)
     assert [f.split()[-2] for f in found] == ["outer", "inner"]
+
+
+def test_a_request_holds_at_most_20_fields() -> None:
+    """The scheduler's ``Request`` keeps what every step reads; sampling, output, P/D,
+    timings and pooling live in their parts (engine/request.py)."""
+    from dataclasses import fields
+
+    from tandem.server.engine.request import Request
+
+    assert len(fields(Request)) <= 20, [f.name for f in fields(Request)]

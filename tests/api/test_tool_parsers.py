@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tandem.server.api.chat_choice import ChoiceStream, chat_message
+from tandem.server.api.grammar_request import request_spec
 from tandem.server.api.reasoning import split_qwen3
-from tandem.server.api.structured import request_spec
 from tandem.server.api.tool_parsers import (
     hermes,
     json_array,

@@ -17,7 +17,7 @@ import threading
 import openai
 import pytest
 
-from tandem.server.api.registration import deregister_engine, register_engine
+from tandem.server.api.announce import deregister_engine, register_engine
 
 from ..proxy.utils import PROXY_ADMIN_KEY, PROXY_KEY, ProxyProcess, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.server.api.registration import register_engine
+from tandem.server.api.announce import register_engine
 
 from ..proxy.utils import (
     PROXY_ADMIN_KEY,

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.server.api.registration import deregister_engine, register_engine
+from tandem.server.api.announce import deregister_engine, register_engine
 
 from ..utils import (
     ENGINE_FLAGS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.api.registration import node_body
+from tandem.server.api.announce import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node

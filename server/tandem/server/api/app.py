@@ -183,7 +183,7 @@ class ProxyRegistration:
     api_key: str | None = None
 
     async def announce(self, engine: AsyncEngine, settings: ServerSettings) -> None:
-        from tandem.server.api.registration import register_engine
+        from tandem.server.api.announce import register_engine
 
         while engine.state == "loading":
             await asyncio.sleep(0.2)
@@ -201,7 +201,7 @@ class ProxyRegistration:
             log.error("%s", exc)
 
     async def withdraw(self, settings: ServerSettings) -> None:
-        from tandem.server.api.registration import deregister_engine
+        from tandem.server.api.announce import deregister_engine
 
         await deregister_engine(
             self.proxy_url,

@@ -39,8 +39,8 @@ from .generation import (
     submit,
     tokenize_text,
 )
+from .grammar_request import ollama_format_spec
 from .state import get_state
-from .structured import ollama_format_spec
 
 router = APIRouter(route_class=ParsedJSONRoute)
 _NDJSON_RESPONSES = ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line")

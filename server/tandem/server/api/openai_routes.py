@@ -27,7 +27,7 @@ from tandem.server.wire.protocol import (
 )
 from tandem.server.wire.sse import DONE, SSE_HEADERS, error_event, sse_event
 
-from . import mapping, structured
+from . import grammar_request, mapping
 from .chat_choice import ChoiceStream, chat_message
 from .generation import Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
@@ -190,7 +190,7 @@ def _chat_plan(
         getattr(state.tokenizer, "chat_template", None)
     )
     tool_spec, tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, fmt)
-    spec = structured.request_spec(body)
+    spec = grammar_request.request_spec(body)
     if spec is not None and tool_spec is not None:
         raise APIError(
             400,
@@ -300,7 +300,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = mapping.sampling_params(
         body, vocab_size=state.vocab_size, default_max_tokens=16, logprobs=body.logprobs
     )
-    if (spec := structured.request_spec(body)) is not None:
+    if (spec := grammar_request.request_spec(body)) is not None:
         params = params.clone(structured=spec)
     prompts = mapping.completion_prompts(body.prompt)
     prompt_ids = [

@@ -1,14 +1,17 @@
 """Tandem against vLLM's CPU build on the same machine, model and prompts, in one invocation.
 
 Offline: each side runs ``LLM.generate`` in its own process (Tandem in this venv, vLLM in the
-peer venv that ``bench/vllm_peer.py`` builds) on 32 prompts of random token ids (16..256
-tokens), outputs 16..128 tokens, ``ignore_eos``, greedy; and on the same with a 512-token
-shared prefix. Prefix caching is on for both sides (the cache is reset between runs, so only
-a run's own shared prefix hits). fp32 and bf16. The two sides alternate run by run and each
-keeps its best time: on a shared, noisy machine only the ratio means anything, so the load
-average is printed beside it, and so is the ratio of CPU seconds (each side's process tree,
-user + system), which a core shared with other work does not distort the way it does wall
-time (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
+peer venv that ``bench/vllm_peer.py`` builds) over a grid of workloads of random token ids
+(``GRID``: prompts of 16 to 4,096 tokens, outputs of 4 to 512, 8 to 64 prompts, with and
+without a shared prefix of 512 or 1,024 tokens; ``--quick`` runs three of them),
+``ignore_eos``, greedy, in fp32 and bf16. Prefix caching is on for both sides (the cache is
+reset between runs, so only a run's own shared prefix hits). The two sides alternate run by
+run and each keeps its best time: on a shared, noisy machine only the ratio means anything,
+so the load average is printed beside it, and so is the ratio of CPU seconds (each side's
+process tree, user + system), which a core shared with other work does not distort the way it
+does wall time (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
+``--cotenant -1`` runs everything beside one busy process per CPU at normal priority (a
+serving pod's normal state: event loop, tokenizer, sidecars), both sides under the same load.
 
 Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
@@ -16,8 +19,8 @@ Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM
 concurrency; output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of
 the client's wall time that the engine did not spend inside ``engine.step()``.
 
-    python bench/vs_vllm.py [--repeats 2] [--dtypes float32,bfloat16] [--no-serving]
-           [--no-offline] [--concurrency 1,4,16]
+    python bench/vs_vllm.py [--quick] [--cotenant -1] [--repeats 2]
+           [--dtypes float32,bfloat16] [--no-serving] [--no-offline] [--concurrency 1,4,16,32]
 
 Only the standard library is imported at the top: the same file is the offline child of both
 venvs (``--child tandem|vllm``).
@@ -26,6 +29,7 @@ venvs (``--child tandem|vllm``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -37,6 +41,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,26 +53,56 @@ SERVED_NAME = "smollm2"
 THREADS = int(os.environ.get("TANDEM_BENCH_THREADS", "0")) or len(os.sched_getaffinity(0))
 
 
-# ----- the workload (both children build it from the same seed) ------------------------------
-def workload(
-    shared_prefix: int, num: int = 32, vocab: int = 49152, seed: int = 0
-) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
-    prompts = [
-        prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))] for _ in range(num)
-    ]
-    outputs = [rng.randint(16, 128) for _ in range(num)]
-    return prompts, outputs
+# ----- the workloads (both children build them from the same seed) --------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Prompts of random token ids: ``num`` of them, lengths uniform in ``prompt``, each asking
+    for a length uniform in ``output``, all behind one ``prefix``-token shared prefix."""
+
+    name: str
+    num: int
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    prefix: int = 0
+
+    def build(self, vocab: int = 49152, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+        rng = random.Random(seed)
+        shared = [rng.randrange(3, vocab) for _ in range(self.prefix)]
+        prompts = [
+            shared + [rng.randrange(3, vocab) for _ in range(rng.randint(*self.prompt))]
+            for _ in range(self.num)
+        ]
+        return prompts, [rng.randint(*self.output) for _ in range(self.num)]
+
+    @property
+    def max_tokens(self) -> int:
+        """KV tokens the whole workload may hold at once."""
+        return self.num * (self.prefix + self.prompt[1] + self.output[1])
+
+
+# The space a user brings: prompts of tens to thousands of tokens, outputs of tens to hundreds,
+# a few to many prompts, with and without a shared prefix. The first row is the workload the
+# bench began with; --quick runs the rows marked quick.
+GRID = [
+    (True, Workload("short", 32, (16, 256), (16, 128))),
+    (True, Workload("short+prefix512", 32, (16, 256), (16, 128), prefix=512)),
+    (False, Workload("chat-like", 64, (64, 128), (64, 128))),
+    (False, Workload("long-out", 16, (32, 64), (256, 512))),
+    (True, Workload("long-in", 16, (512, 1024), (64, 256))),
+    (False, Workload("long-in+prefix1k", 16, (256, 512), (64, 128), prefix=1024)),
+    (False, Workload("very-long-in", 8, (2048, 4096), (16, 64))),
+]
+WORKLOADS = {w.name: w for _, w in GRID} | {"warm": Workload("warm", 2, (16, 32), (4, 4))}
+MAX_MODEL_LEN = 8192
 
 
 # ----- children: one engine each, driven over stdin/stdout ----------------------------------
-def child(side: str, model: str, dtype: str, num: int) -> None:
-    run = _tandem_child(model, dtype, num) if side == "tandem" else _vllm_child(model, dtype, num)
+def child(side: str, model: str, dtype: str, kv_tokens: int) -> None:
+    make = _tandem_child if side == "tandem" else _vllm_child
+    run = make(model, dtype, kv_tokens)
     print("READY", flush=True)
     for line in sys.stdin:
-        prefix = int(line)
-        prompts, outputs = workload(prefix, num)
+        prompts, outputs = WORKLOADS[line.strip()].build()
         cpu = tree_cpu_seconds(os.getpid())
         elapsed = run(prompts, outputs)
         cpu = tree_cpu_seconds(os.getpid()) - cpu
@@ -92,13 +128,14 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def _tandem_child(model: str, dtype: str, num: int):
+def _tandem_child(model: str, dtype: str, kv_tokens: int):
     from tandem.server.engine import LLM, SamplingParams
 
     llm = LLM(
         model,
         dtype=dtype,
-        kv_cache_tokens=num * 1000,
+        kv_cache_tokens=kv_tokens,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         enable_prefix_caching=True,
@@ -113,12 +150,11 @@ def _tandem_child(model: str, dtype: str, num: int):
         assert [len(r.token_ids) for r in results] == outputs
         return elapsed
 
-    warm, _ = workload(0, 2)
-    run(warm, [4, 4])
+    run(*WORKLOADS["warm"].build())
     return run
 
 
-def _vllm_child(model: str, dtype: str, num: int):
+def _vllm_child(model: str, dtype: str, kv_tokens: int):
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -126,7 +162,7 @@ def _vllm_child(model: str, dtype: str, num: int):
         dtype=dtype,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
-        max_model_len=2048,
+        max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=True,
         seed=0,
     )
@@ -140,17 +176,16 @@ def _vllm_child(model: str, dtype: str, num: int):
         assert [len(r.outputs[0].token_ids) for r in results] == outputs
         return elapsed
 
-    warm, _ = workload(0, 2)
-    run(warm, [4, 4])
+    run(*WORKLOADS["warm"].build())
     return run
 
 
 class Child:
     """One engine in its own process, told which workload to run, line by line."""
 
-    def __init__(self, python: str, side: str, model: str, dtype: str, num: int) -> None:
+    def __init__(self, python: str, side: str, model: str, dtype: str, kv_tokens: int) -> None:
         cmd = [python, "-P", __file__, "--child", side, "--model", model, "--dtypes", dtype]
-        cmd += ["--num-prompts", str(num)]
+        cmd += ["--kv-tokens", str(kv_tokens)]
         self.side = side
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(side)
@@ -160,9 +195,9 @@ class Child:
                 return
         raise RuntimeError(f"the {side} child exited before it was ready")
 
-    def run(self, shared_prefix: int) -> tuple[float, float, int]:
+    def run(self, workload: Workload) -> tuple[float, float, int]:
         """Wall seconds, CPU seconds and output tokens of one run of the workload."""
-        self.proc.stdin.write(f"{shared_prefix}\n")
+        self.proc.stdin.write(f"{workload.name}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("{"):
@@ -199,42 +234,61 @@ def load() -> str:
 
 
 def offline(
-    peer: str | None, model: str, dtypes: list[str], repeats: int, num: int
+    peer: str | None, model: str, dtypes: list[str], repeats: int, workloads: list[Workload]
 ) -> list[tuple[str, float]]:
     ratios = []
+    kv_tokens = max(w.max_tokens for w in workloads) + 1024
     for dtype in dtypes:
-        sides = {"tandem": Child(sys.executable, "tandem", model, dtype, num)}
+        sides = {"tandem": Child(sys.executable, "tandem", model, dtype, kv_tokens)}
         if peer:
-            sides["vllm"] = Child(peer, "vllm", model, dtype, num)
-        for prefix in (0, 512):
-            times: dict[str, list[float]] = {s: [] for s in sides}
-            cpus: dict[str, list[float]] = {s: [] for s in sides}
-            tokens = 0
-            loads = []
-            for r in range(repeats):
-                order = list(sides) if r % 2 == 0 else list(reversed(sides))
-                for s in order:
-                    t, cpu, tokens = sides[s].run(prefix)
-                    times[s].append(t)
-                    cpus[s].append(cpu)
-                loads.append(load())
-            label = f"offline {dtype:8s} prefix={prefix:3d}"
-            best = {s: min(v) for s, v in times.items()}
-            runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in times.items())
-            cpu_runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in cpus.items())
-            print(f"{label}: runs (s) {runs}; CPU (s) {cpu_runs}; load {loads}")
-            line = f"{label}: tandem {tokens / best['tandem']:7.1f} tok/s"
-            if "vllm" in best:
-                ratio = best["vllm"] / best["tandem"]
-                cpu_ratio = min(cpus["vllm"]) / min(cpus["tandem"])
-                ratios.append((label, ratio))
-                ratios.append((f"{label} (CPU time)", cpu_ratio))
-                line += f"  vllm {tokens / best['vllm']:7.1f} tok/s  ratio {ratio:.2f}x"
-                line += f"  CPU-time ratio {cpu_ratio:.2f}x"
-            print(line, flush=True)
+            sides["vllm"] = Child(peer, "vllm", model, dtype, kv_tokens)
+        for w in workloads:
+            ratios += _offline_row(sides, w, dtype, repeats)
         for c in sides.values():
             c.close()
     return ratios
+
+
+def _offline_row(
+    sides: dict[str, Child], w: Workload, dtype: str, repeats: int
+) -> list[tuple[str, float]]:
+    """One workload on both sides, alternating run by run, each keeping its best time."""
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    cpus: dict[str, list[float]] = {s: [] for s in sides}
+    tokens, loads = 0, []
+    for r in range(repeats):
+        for s in list(sides) if r % 2 == 0 else list(reversed(sides)):
+            t, cpu, tokens = sides[s].run(w)
+            times[s].append(t)
+            cpus[s].append(cpu)
+        loads.append(load())
+    label = f"offline {dtype:8s} {w.name}"
+    best = {s: min(v) for s, v in times.items()}
+    runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in times.items())
+    cpu_runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in cpus.items())
+    print(f"{label}: runs (s) {runs}; CPU (s) {cpu_runs}; load {loads}")
+    line = f"{label}: tandem {tokens / best['tandem']:7.1f} tok/s"
+    if "vllm" not in best:
+        print(line, flush=True)
+        return []
+    ratio = best["vllm"] / best["tandem"]
+    cpu_ratio = min(cpus["vllm"]) / min(cpus["tandem"])
+    line += f"  vllm {tokens / best['vllm']:7.1f} tok/s  ratio {ratio:.2f}x"
+    print(line + f"  CPU-time ratio {cpu_ratio:.2f}x", flush=True)
+    return [(label, ratio), (f"{label} (CPU time)", cpu_ratio)]
+
+
+@contextlib.contextmanager
+def cotenants(n: int) -> Iterator[None]:
+    """``n`` busy processes at normal priority beside both sides (0: none): the state of a
+    serving pod's cores, where the event loop, tokenizer and sidecars run by the engine."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
 
 
 # ----- serving ------------------------------------------------------------------------------
@@ -406,27 +460,45 @@ def machine() -> str:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", choices=("tandem", "vllm"), help=argparse.SUPPRESS)
+    ap.add_argument("--kv-tokens", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--quick", action="store_true", help="the grid's quick rows only")
+    ap.add_argument("--workloads", help="comma-separated workload names (default: the grid)")
+    ap.add_argument(
+        "--cotenant",
+        type=int,
+        default=0,
+        help="busy processes running beside both sides for the whole bench (-1: one per CPU "
+        "of this run; 0, the default: a quiet run)",
+    )
+    ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--serving-dtype", default="bfloat16")
     ap.add_argument(
         "--threads",
         type=int,
         default=0,
-        help="compute threads for both sides (0: every CPU of this run's affinity); "
-        "1 on an oversubscribed machine",
+        help="compute threads for both sides (0: every CPU of this run's affinity)",
     )
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--no-serving", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def chosen_workloads(args: argparse.Namespace) -> list[Workload]:
+    if args.workloads:
+        return [WORKLOADS[name] for name in args.workloads.split(",")]
+    return [w for quick, w in GRID if quick or not args.quick]
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
-        child(args.child, args.model, args.dtypes, args.num_prompts)
+        child(args.child, args.model, args.dtypes, args.kv_tokens)
         return
     if args.threads:
         os.environ["TANDEM_BENCH_THREADS"] = str(args.threads)
@@ -436,28 +508,28 @@ def main() -> None:
     import vllm_peer
 
     model = args.model or str(vllm_peer.smollm2_dir())
+    busy = len(os.sched_getaffinity(0)) if args.cotenant < 0 else args.cotenant
     print(machine())
     print(f"model: {model}; threads per side: {THREADS} (vLLM bound to the same CPUs)")
+    print(f"co-tenants: {busy} busy processes beside both sides" if busy else "quiet run")
     try:
         peer: Path | None = vllm_peer.build_peer()
     except vllm_peer.PeerUnavailable as exc:
         peer = None
         print(f"vLLM peer skipped: {exc}; Tandem runs alone")
     ratios = []
-    if not args.no_offline:
-        ratios += offline(
-            str(peer) if peer else None,
-            model,
-            args.dtypes.split(","),
-            args.repeats,
-            args.num_prompts,
-        )
-    if not args.no_serving and peer is not None:
-        conc = [int(c) for c in args.concurrency.split(",")]
-        ratios += serving(peer, model, args.serving_dtype, conc)
+    with cotenants(busy):
+        if not args.no_offline:
+            dtypes = args.dtypes.split(",")
+            ratios += offline(
+                str(peer) if peer else None, model, dtypes, args.repeats, chosen_workloads(args)
+            )
+        if not args.no_serving and peer is not None:
+            conc = [int(c) for c in args.concurrency.split(",")]
+            ratios += serving(peer, model, args.serving_dtype, conc)
     print("summary (tandem/vllm throughput, >= 1.00x means Tandem is faster):")
     for label, ratio in ratios:
-        print(f"  {label:42s} {ratio:5.2f}x")
+        print(f"  {label:48s} {ratio:5.2f}x")
     print(f"load average at end: {load()}")
 
 

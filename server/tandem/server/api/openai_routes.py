@@ -271,6 +271,8 @@ async def _chat_stream(
                     else None,
                     "finish_reason": reason,
                 }
+                if isinstance(c.stop_reason, str):
+                    choice["stop_reason"] = c.stop_reason
                 if return_token_ids:
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)

@@ -82,6 +82,7 @@ PATHS = {
     "encode": "/v1/encode",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
+    "count_tokens": "/v1/messages/count_tokens",
 }
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 DISCONNECT_POLL_S = 0.2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
@@ -26,3 +27,26 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 def ndjson_line(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def typed_event(kind: str, payload: dict[str, Any]) -> bytes:
+    """One event with its type named (``event: <kind>``): the Responses and Messages APIs'
+    framing, whose SDKs dispatch on it."""
+    return f"event: {kind}\n".encode() + sse_event(payload)
+
+
+async def sse_payloads(stream: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON ``data:`` payloads of an event stream (``[DONE]`` ends it), however its bytes
+    were split: how the Responses and Messages routes read a chat completion's stream."""
+    buffer = b""
+    async for piece in stream:
+        buffer += piece if isinstance(piece, bytes) else piece.encode()
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from tandem.server.wire import messages_api, responses_api
+from tandem.server.wire.chat_stream import translated
 from tandem.server.wire.errors import APIError
-from tandem.server.wire.messages_stream import MessagesStream, message_events
+from tandem.server.wire.messages_stream import MessagesStream
 from tandem.server.wire.response_store import ResponseStore, StoredResponse
-from tandem.server.wire.responses_stream import ResponsesStream, response_events
+from tandem.server.wire.responses_stream import ResponsesStream
 from tandem.server.wire.sse import sse_event, sse_payloads
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
@@ -163,7 +164,7 @@ def test_anthropic_turns_are_chat_messages() -> None:
 def test_responses_stream_events() -> None:
     body = responses_api.ResponsesRequest(input="x", stream=True)
     stream = ResponsesStream(responses_api.envelope(body, "resp_1", "m"))
-    events = _events(response_events(stream, _aiter(_chunks())))
+    events = _events(translated(stream, _aiter(_chunks())))
     kinds = [k for k, _ in events]
     assert kinds == [
         "response.created",
@@ -200,20 +201,20 @@ def test_responses_stream_failure_and_length() -> None:
     body = responses_api.ResponsesRequest(input="x", stream=True)
     failing = [{"error": {"message": "boom", "code": "logits_not_finite"}}]
     events = _events(
-        response_events(ResponsesStream(responses_api.envelope(body, "r", "m")), _aiter(failing))
+        translated(ResponsesStream(responses_api.envelope(body, "r", "m")), _aiter(failing))
     )
     assert events[-1][0] == "response.failed"
     assert events[-1][1]["response"]["error"] == {"code": "logits_not_finite", "message": "boom"}
     cut = [{"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "length"}]}]
     events = _events(
-        response_events(ResponsesStream(responses_api.envelope(body, "r", "m")), _aiter(cut))
+        translated(ResponsesStream(responses_api.envelope(body, "r", "m")), _aiter(cut))
     )
     assert events[-1][0] == "response.incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 def test_messages_stream_events() -> None:
-    events = _events(message_events(MessagesStream("msg_1", "m"), _aiter(_chunks())))
+    events = _events(translated(MessagesStream("msg_1", "m"), _aiter(_chunks())))
     kinds = [k for k, _ in events]
     assert kinds[:2] == ["message_start", "ping"]
     assert kinds[-2:] == ["message_delta", "message_stop"]
@@ -226,7 +227,7 @@ def test_messages_stream_events() -> None:
     assert end["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert end["usage"]["output_tokens"] == 4
     failing = [{"error": {"message": "boom"}}]
-    events = _events(message_events(MessagesStream("msg_1", "m"), _aiter(failing)))
+    events = _events(translated(MessagesStream("msg_1", "m"), _aiter(failing)))
     assert events[-1] == (
         "error",
         {"type": "error", "error": {"type": "api_error", "message": "boom"}},

@@ -16,11 +16,12 @@ from pydantic import ValidationError
 
 from . import messages_api, responses_api
 from .body import ParsedJSONRoute
+from .chat_stream import translated
 from .errors import APIError, validation_message
-from .messages_stream import MessagesStream, message_events
+from .messages_stream import MessagesStream
 from .protocol import ERROR_RESPONSES, SSE_RESPONSES, ChatCompletionRequest
 from .response_store import ResponseStore, StoredResponse
-from .responses_stream import ResponsesStream, response_events
+from .responses_stream import ResponsesStream
 from .sse import SSE_HEADERS, sse_payloads
 from .tenancy import request_owner
 
@@ -84,7 +85,7 @@ async def _stored_events(
     answer: AsyncIterator[bytes],
     conversation: list[dict[str, Any]],
 ) -> AsyncIterator[bytes]:
-    async for event in response_events(stream, sse_payloads(answer)):
+    async for event in translated(stream, sse_payloads(answer)):
         yield event
     _remember(request, body, stream.response, conversation)
 
@@ -147,4 +148,4 @@ async def create_message(body: messages_api.MessagesRequest, request: Request) -
     if isinstance(answer, dict):
         return messages_api.message_object(message_id, answer)
     stream = MessagesStream(message_id, chat.model or "")
-    return _events(message_events(stream, sse_payloads(answer)))
+    return _events(translated(stream, sse_payloads(answer)))

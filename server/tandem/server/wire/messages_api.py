@@ -25,6 +25,7 @@ from .protocol import (
     TopP,
     streamed,
 )
+from .responses_api import text_of
 
 Block = dict[str, Any]
 MESSAGES_PATH = "/v1/messages"
@@ -39,6 +40,7 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+TEXT = ("text",)  # the only content blocks read as text
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -110,22 +112,6 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _text(blocks: Any, param: str) -> str:
-    """A string, or text blocks, as one string."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise APIError(400, f"{param} must be a string or a list of text blocks", param=param)
-    texts = []
-    for block in blocks:
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise APIError(400, f"{param}: only text blocks are supported here", param=param)
-        if not isinstance(block.get("text"), str):
-            raise APIError(400, f"{param}: a text block needs 'text'", param=param)
-        texts.append(block["text"])
-    return "".join(texts)
-
-
 def _tool_call(block: Block, param: str) -> dict[str, Any]:
     if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
         raise APIError(400, f"{param}: a tool_use block needs 'id' and 'name'", param=param)
@@ -146,13 +132,13 @@ def _turn(role: str, content: str | list[Block], param: str) -> list[dict[str, A
     for j, block in enumerate(content):
         kind, where = block.get("type"), f"{param}.content.{j}"
         if kind == "text":
-            texts.append(_text([block], where))
+            texts.append(text_of([block], where, TEXT))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, where))
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise APIError(400, f"{where}: a tool_result needs 'tool_use_id'", param=where)
-            text = _text(block.get("content") or "", where)
+            text = text_of(block.get("content") or "", where, TEXT)
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         elif kind not in ("thinking", "redacted_thinking"):
             raise APIError(400, f"{where}: block type {kind!r} is not supported", param=where)
@@ -199,7 +185,9 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
-    system = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
+    system = (
+        [{"role": "system", "content": text_of(body.system, "system", TEXT)}] if body.system else []
+    )
     turns = [
         m
         for i, msg in enumerate(body.messages)

@@ -5,7 +5,6 @@ content block ``content_block_start`` / ``content_block_delta`` (``text_delta``,
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from .messages_api import envelope, error_body, stop_reason, usage
@@ -84,27 +83,6 @@ class MessagesStream:
             self.event("message_stop"),
         ]
 
-
-async def message_events(
-    stream: MessagesStream, chunks: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[bytes]:
-    """The whole event stream of one message over the chat chunks of its run."""
-    for e in stream.start():
-        yield e
-    reason, matched, chat_usage = None, None, None
-    async for chunk in chunks:
-        if "error" in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            body = error_body(500, str(error.get("message", "error")))
-            yield typed_event("error", body)
-            return
-        chat_usage = chunk.get("usage") or chat_usage
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            for e in stream.delta(choice.get("delta") or {}):
-                yield e
-            reason = choice.get("finish_reason") or reason
-            matched = choice.get("stop_reason", matched)
-    for e in stream.end(reason, matched, chat_usage):
-        yield e
+    def fail(self, error: dict[str, Any]) -> list[bytes]:
+        body = error_body(500, str(error.get("message", "error")))
+        return [typed_event("error", body)]

@@ -76,15 +76,16 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, param: str) -> str:
-    """A message's content (a string or text parts) as one string."""
+def text_of(content: Any, param: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
+    """A message's content (a string, or text parts of ``kinds``) as one string; any other
+    part is a 400 naming ``param`` (image inputs are not served)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{param} must be a string or a list of parts", param=param)
+        raise APIError(400, f"{param} must be a string or a list of text parts", param=param)
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+        if not isinstance(part, dict) or part.get("type") not in kinds:
             raise APIError(
                 400,
                 f"{param}: only text parts are supported",
@@ -125,10 +126,11 @@ def input_messages(input_: str | list[Item]) -> list[dict[str, Any]]:
         param = f"input.{i}"
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            given = item.get("role")
+            role = _ROLES.get(given) if isinstance(given, str) else None
             if role is None:
                 raise APIError(400, f"'{param}.role' is not a message role", param=param)
-            out.append({"role": role, "content": _text_of(item.get("content"), param)})
+            out.append({"role": role, "content": text_of(item.get("content"), param)})
         elif kind == "function_call":
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant" or "tool_calls" not in last:
@@ -136,7 +138,7 @@ def input_messages(input_: str | list[Item]) -> list[dict[str, Any]]:
                 out.append(last)
             last["tool_calls"].append(_call(item, param))
         elif kind == "function_call_output":
-            output = _text_of(item.get("output"), f"{param}.output")
+            output = text_of(item.get("output"), f"{param}.output")
             out.append(
                 {"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": output}
             )

@@ -7,7 +7,6 @@ each with its ``sequence_number``."""
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
 from typing import Any
 
 from .responses_api import Item, call_item, finish, message_item, reasoning_item, usage
@@ -120,7 +119,10 @@ class ResponsesStream:
                 events += self._append("response.function_call_arguments.delta", fn["arguments"])
         return events
 
-    def end(self, finish_reason: str | None, chat_usage: dict[str, Any] | None) -> list[bytes]:
+    def end(
+        self, finish_reason: str | None, matched: Any, chat_usage: dict[str, Any] | None
+    ) -> list[bytes]:
+        """The closing events (a stop string matched is a plain ``completed`` here)."""
         events = self.close()
         if not self.response["output"]:
             events += self._begin(message_item("", status="in_progress")) + self.close()
@@ -143,26 +145,3 @@ class ResponsesStream:
             },
         )
         return [self.event("response.failed", response=self.response)]
-
-
-async def response_events(
-    stream: ResponsesStream, chunks: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[bytes]:
-    """The whole event stream of one response over the chat chunks of its run."""
-    for e in stream.start():
-        yield e
-    reason, chat_usage = None, None
-    async for chunk in chunks:
-        if "error" in chunk:
-            for e in stream.fail(chunk["error"] if isinstance(chunk["error"], dict) else {}):
-                yield e
-            return
-        chat_usage = chunk.get("usage") or chat_usage
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            for e in stream.delta(choice.get("delta") or {}):
-                yield e
-            reason = choice.get("finish_reason") or reason
-    for e in stream.end(reason, chat_usage):
-        yield e

@@ -60,7 +60,7 @@ def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
     if kind == "generate":
         return _GENERATION_RESPONSES
     if kind == "count_tokens":
-        return MESSAGES_ERRORS | _UPSTREAM_RESPONSES
+        return MESSAGES_ERRORS  # the proxy's 502/504 included, in Anthropic's shape
     if kind in ("ollama_generate", "ollama_chat"):
         ndjson = streamed("application/x-ndjson", "one JSON object a line")
         return ERROR_RESPONSES | ndjson | _UPSTREAM_RESPONSES

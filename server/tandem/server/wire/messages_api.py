@@ -101,7 +101,7 @@ class AnthropicError(StrictOut):
 
 # The Messages routes answer errors in Anthropic's shape (``anthropic_errors``).
 MESSAGES_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": AnthropicError} for code in ERROR_RESPONSES
+    code: {"model": AnthropicError} for code in (*ERROR_RESPONSES, 502, 504)
 }
 MESSAGES_RESPONSES = MESSAGES_ERRORS | streamed("text/event-stream", "Anthropic's events")
 

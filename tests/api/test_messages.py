@@ -241,3 +241,20 @@ def test_x_api_key_and_bearer_both_authenticate(llama_dir, tmp_path: Path) -> No
             assert denied.value.body["error"]["type"] == "authentication_error"
     finally:
         stop_all([proxy, srv])
+
+
+def test_openapi_describes_the_messages_routes(front) -> None:
+    url, key = front
+    spec = httpx.get(url + "/openapi.json", headers={"x-api-key": key}, timeout=30).json()
+    for path, model in [
+        ("/v1/messages", "MessagesRequest"),
+        ("/v1/messages/count_tokens", "CountTokensRequest"),
+    ]:
+        op = spec["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/" + model)
+        error = op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert error.endswith("/AnthropicError")
+    assert {"max_tokens", "system", "tools", "tool_choice", "stop_sequences"} <= set(
+        spec["components"]["schemas"]["MessagesRequest"]["properties"]
+    )

@@ -268,3 +268,18 @@ def test_stored_responses_belong_to_their_key(llama_dir, tmp_path: Path) -> None
             assert alice.responses.retrieve(r.id).id == r.id
     finally:
         stop_all([proxy, srv])
+
+
+def test_openapi_describes_the_responses_routes(front) -> None:
+    url, key = front
+    spec = httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {key}"}).json()
+    paths = spec["paths"]
+    op = paths["/v1/responses"]["post"]
+    ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith("/ResponsesRequest")
+    assert "text/event-stream" in op["responses"]["200"]["content"]
+    assert {"get", "delete"} <= set(paths["/v1/responses/{response_id}"])
+    assert "post" in paths["/v1/responses/{response_id}/cancel"]
+    assert {"input", "instructions", "previous_response_id", "store", "text", "tools"} <= set(
+        spec["components"]["schemas"]["ResponsesRequest"]["properties"]
+    )

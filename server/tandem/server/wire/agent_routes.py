@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from . import messages_api, responses_api
@@ -22,7 +21,7 @@ from .messages_stream import MessagesStream
 from .protocol import ERROR_RESPONSES, SSE_RESPONSES, ChatCompletionRequest
 from .response_store import ResponseStore, StoredResponse
 from .responses_stream import ResponsesStream
-from .sse import SSE_HEADERS, sse_payloads
+from .sse import SSE_HEADERS, DisconnectAwareStreamingResponse, sse_payloads
 from .tenancy import request_owner
 
 ChatAnswer = dict[str, Any] | AsyncIterator[bytes]
@@ -53,8 +52,10 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise APIError(400, message, code="invalid_value", param=param) from exc
 
 
-def _events(stream: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+def _events(stream: AsyncIterator[bytes]) -> DisconnectAwareStreamingResponse:
+    return DisconnectAwareStreamingResponse(
+        stream, media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 # ----- Responses ----------------------------------------------------------------------------

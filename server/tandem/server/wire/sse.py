@@ -1,10 +1,17 @@
-"""Wire framing for streams: Server-Sent Events (OpenAI, LMDeploy) and NDJSON (Ollama)."""
+"""Wire framing for streams: Server-Sent Events (OpenAI, LMDeploy; typed events for the
+Responses and Messages APIs) and NDJSON (Ollama), and the streaming response that notices
+a client leaving."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -50,3 +57,22 @@ async def sse_payloads(stream: AsyncIterator[bytes]) -> AsyncIterator[dict[str, 
                 if data == b"[DONE]":
                     return
                 yield json.loads(data)
+
+
+class DisconnectAwareStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving, whatever ASGI spec
+    version the server reports, so the stream it relays is closed (and the engine aborts)
+    at once rather than at the next chunk: the proxy's relayed streams, and the Responses
+    and Messages streams on both servers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()

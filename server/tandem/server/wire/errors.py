@@ -172,14 +172,18 @@ def without_422(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
 def allowed_methods(request: Request) -> list[str]:
     """Every method the routes on this path take (Starlette's 405 names only the first
     route's, and ``GET``/``DELETE /v1/responses/{id}`` are two routes)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        if route.matches(request.scope)[0] != Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return sorted(methods)
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+    ]
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from ..proxy.utils import FRONTS, ProxyProcess, engine_and_proxies, front_of, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess
-from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text
+from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text, leaving_aborts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -258,3 +258,10 @@ def test_openapi_describes_the_messages_routes(front) -> None:
     assert {"max_tokens", "system", "tools", "tool_choice", "stop_sequences"} <= set(
         spec["components"]["schemas"]["MessagesRequest"]["properties"]
     )
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request(stack) -> None:
+    """On the engine, at once, even while the engine holds the request (paused)."""
+    url, headers = front_of(stack, "engine")
+    body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 450}
+    leaving_aborts(stack[0], url + "/v1/messages", body, headers)

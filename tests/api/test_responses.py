@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from ..proxy.utils import FRONTS, ProxyProcess, engine_and_proxies, front_of, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess
-from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text
+from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text, leaving_aborts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -283,3 +283,10 @@ def test_openapi_describes_the_responses_routes(front) -> None:
     assert {"input", "instructions", "previous_response_id", "store", "text", "tools"} <= set(
         spec["components"]["schemas"]["ResponsesRequest"]["properties"]
     )
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request(stack) -> None:
+    """On the engine, at once, even while the engine holds the request (paused)."""
+    url, headers = front_of(stack, "engine")
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 450}
+    leaving_aborts(stack[0], url + "/v1/responses", body, headers)

@@ -1,5 +1,6 @@
 """Helpers for the Responses and Messages API tests (no tests here): the tool both APIs are
-asked to call, the Chat Completions text they must equal, and the Agents SDK's tool loop."""
+asked to call, the Chat Completions text they must equal, a client leaving mid-stream, and the Agents
+SDK's tool loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import openai
+
+from ..utils import aborted_count, held, wait_until
 
 WEATHER_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -86,3 +90,16 @@ def check_two_step_loop(result: Any, calls: list[str]) -> None:
     assert call.name == "get_weather" and json.loads(call.arguments)["city"] == calls[0]
     assert isinstance(result.final_output, str) and result.final_output
     assert len(result.raw_responses) == 2  # two model steps: the call, then the answer
+
+
+def leaving_aborts(engine: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """A client that hangs up mid-stream (``url``: the engine, or a proxy in front of it):
+    once its first event came, ``engine`` is paused (so the request cannot finish on its
+    own), the client leaves, and the engine aborts the request (its metrics count it)."""
+    before = aborted_count(engine)
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data:") for _ in range(6))
+        with held(engine):
+            r.close()
+            wait_until(lambda: aborted_count(engine) > before, what="the engine aborting")

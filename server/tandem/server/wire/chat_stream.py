@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from .sse import close
+
 
 class EventTranslator(Protocol):
     """One API's events for one answer: its opening, each choice-0 delta, its end (the
@@ -29,19 +31,22 @@ async def translated(
     for event in stream.start():
         yield event
     reason, matched, chat_usage = None, None, None
-    async for chunk in chunks:
-        if "error" in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            for event in stream.fail(error):
-                yield event
-            return
-        chat_usage = chunk.get("usage") or chat_usage
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            for event in stream.delta(choice.get("delta") or {}):
-                yield event
-            reason = choice.get("finish_reason") or reason
-            matched = choice.get("stop_reason", matched)
+    try:
+        async for chunk in chunks:
+            if "error" in chunk:
+                error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                for event in stream.fail(error):
+                    yield event
+                return
+            chat_usage = chunk.get("usage") or chat_usage
+            for choice in chunk.get("choices") or []:
+                if choice.get("index", 0) != 0:
+                    continue
+                for event in stream.delta(choice.get("delta") or {}):
+                    yield event
+                reason = choice.get("finish_reason") or reason
+                matched = choice.get("stop_reason", matched)
+    finally:  # the client left: the chat run under it ends now (its request aborted)
+        await close(chunks)
     for event in stream.end(reason, matched, chat_usage):
         yield event

@@ -46,17 +46,20 @@ async def sse_payloads(stream: AsyncIterator[bytes]) -> AsyncIterator[dict[str, 
     """The JSON ``data:`` payloads of an event stream (``[DONE]`` ends it), however its bytes
     were split: how the Responses and Messages routes read a chat completion's stream."""
     buffer = b""
-    async for piece in stream:
-        buffer += piece if isinstance(piece, bytes) else piece.encode()
-        *events, buffer = buffer.split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
+    try:
+        async for piece in stream:
+            buffer += piece if isinstance(piece, bytes) else piece.encode()
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield json.loads(data)
+    finally:  # a reader that stops early closes the stream it reads, at once
+        await close(stream)
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
@@ -66,13 +69,24 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     and Messages streams on both servers."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
+        finally:  # now, not when a garbage collection finds it: its finally aborts upstream
+            with anyio.CancelScope(shield=True):
+                await close(self.body_iterator)
 
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
+
+async def close(stream: Any) -> None:
+    """Close an async generator left suspended (a stream its reader stopped reading)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

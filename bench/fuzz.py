@@ -32,8 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.utils import ENGINE_FLAGS, ServerProcess, make_model  # noqa: E402
 from tests.proxy.utils import ProxyProcess, stop_all  # noqa: E402
+from tests.utils import ENGINE_FLAGS, ServerProcess, make_model  # noqa: E402
 
 CLIENT, INTERNAL, ADMIN = "sk-fuzz-client", "sk-fuzz-internal", "sk-fuzz-admin"
 # Every check schemathesis has (bench/schemathesis.toml says where a status is expected).

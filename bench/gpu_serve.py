@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu import measure_bandwidth, model_dir, random_hf_model, sync  # noqa: E402
-from tests.utils import ServerProcess  # noqa: E402
 from tests.proxy.utils import PROXY_KEY, ProxyProcess, stop_all  # noqa: E402
+from tests.utils import ServerProcess  # noqa: E402
 
 MODEL = "qwen3-0.6b"
 

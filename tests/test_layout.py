@@ -86,7 +86,9 @@ def test_serve_extra_holds_everything_tandem_up_and_serve_import() -> None:
     owners = packages_distributions()
     used = {_dist(d) for m in out for d in owners.get(m, [])}
     reachable = _with_requirements(declared)
-    optional = {"sniffio"}  # anyio imports it when installed and runs without it
+    # Imported when installed, run without: anyio's sniffio; starlette's python-multipart
+    # (the test extra's openai-agents brings it).
+    optional = {"sniffio", "python-multipart"}
     missing = sorted(used - reachable - optional - {"tandem"})
     assert not missing, f"imported by tandem up/serve but not in [serve]: {missing}"
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from ..proxy.utils import PROXY_KEY, ProxyProcess, stop_all, wait_free
 from ..utils import ENGINE_FLAGS, ServerProcess
+from .utils import WEATHER_SCHEMA
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,15 +38,7 @@ class Component(BaseModel):
     priority: int = Field(ge=0, le=9)
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+SCHEMA = WEATHER_SCHEMA
 TOOLS = [
     {
         "type": "function",

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tandem.server.engine import LLMEngine
+from tandem.server.wire import agent_routes
 from tandem.server.wire.auth import AuthMiddleware
 from tandem.server.wire.body import JSONBodyGuard
 from tandem.server.wire.edge import install_edge
@@ -19,6 +20,7 @@ from tandem.server.wire.errors import install_error_handlers
 from tandem.server.wire.protocol import ERROR_RESPONSES
 
 from . import (
+    agent_apis,
     distserve_routes,
     embedding_routes,
     native_routes,
@@ -112,6 +114,9 @@ def build_app(
     app.state.tandem = state
     install_error_handlers(app)
     app.include_router(openai_routes.router, tags=["openai"])
+    app.state.agent_apis = agent_apis.agent_apis()
+    app.include_router(agent_routes.router, tags=["agents"])
+    app.include_router(agent_apis.router, tags=["agents"])
     app.include_router(native_routes.router, tags=["native"])
     app.include_router(ollama.router, tags=["ollama"])
     app.include_router(token_routes.router, tags=["tokens"])

@@ -385,6 +385,8 @@ def chat_response(
             else None,
             "finish_reason": c.finish_reason,
         }
+        if isinstance(c.stop_reason, str):
+            choice["stop_reason"] = c.stop_reason  # the stop string it matched (vLLM's field)
         if return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         choices.append(choice)

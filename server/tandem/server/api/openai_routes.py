@@ -25,7 +25,13 @@ from tandem.server.wire.protocol import (
     CompletionResponse,
     ModelList,
 )
-from tandem.server.wire.sse import DONE, SSE_HEADERS, error_event, sse_event
+from tandem.server.wire.sse import (
+    DONE,
+    SSE_HEADERS,
+    DisconnectAwareStreamingResponse,
+    error_event,
+    sse_event,
+)
 
 from . import grammar_request, mapping
 from .chat_choice import ChoiceStream, chat_message
@@ -178,7 +184,11 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 
 
 def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    """A stream that notices its client leaving at once, not at its next write: a request
+    held in flight (a paused engine, a long prefill) is aborted and its blocks freed then."""
+    return DisconnectAwareStreamingResponse(
+        events, media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 def _chat_plan(
@@ -271,6 +281,8 @@ async def _chat_stream(
                     else None,
                     "finish_reason": reason,
                 }
+                if isinstance(c.stop_reason, str):
+                    choice["stop_reason"] = c.stop_reason
                 if return_token_ids:
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from fastapi import FastAPI
 
+from tandem.server.wire import agent_routes
 from tandem.server.wire.auth import (
     PROXY_ADMIN_PATHS,
     PROXY_ADMIN_PREFIXES,
@@ -26,6 +27,7 @@ from tandem.server.wire.errors import install_error_handlers
 from tandem.server.wire.protocol import ERROR_RESPONSES
 
 from . import (
+    agent_apis,
     distserve_routes,
     engine_routes,
     model_routes,
@@ -41,6 +43,7 @@ from .state import ProxySettings, ProxyState
 # In the order a reader of the OpenAPI document meets them.
 _ROUTERS = (
     engine_routes,
+    agent_routes,
     session_routes,
     weights_routes,
     model_routes,
@@ -62,6 +65,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     )
     app.router.route_class = ParsedJSONRoute
     app.state.proxy = state
+    app.state.agent_apis = agent_apis.agent_apis()
     install_error_handlers(app)
     for module in _ROUTERS:
         app.include_router(module.router)

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tandem.server.wire.body import ParsedJSONRoute
+from tandem.server.wire.messages_api import MESSAGES_ERRORS, CountTokensRequest
 from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     SSE_RESPONSES,
@@ -45,6 +46,7 @@ _ROUTED_BODIES: dict[str, type[BaseModel]] = {
     "encode": EncodeRequest,
     "tokenize": TokenizeRequest,
     "detokenize": DetokenizeRequest,
+    "count_tokens": CountTokensRequest,
 }
 
 # The proxy's own answers beside the engine's: no engine reachable (502), none in time (504).
@@ -57,6 +59,8 @@ def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
     Ollama's generation routes) and the proxy's own 502/504."""
     if kind == "generate":
         return _GENERATION_RESPONSES
+    if kind == "count_tokens":
+        return MESSAGES_ERRORS  # the proxy's 502/504 included, in Anthropic's shape
     if kind in ("ollama_generate", "ollama_chat"):
         ndjson = streamed("application/x-ndjson", "one JSON object a line")
         return ERROR_RESPONSES | ndjson | _UPSTREAM_RESPONSES
@@ -66,8 +70,14 @@ def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
 @router.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
 async def chat_completions(_: ChatCompletionRequest, request: Request) -> Response:
     """Routed to the engines; ``stream: true`` is passed through chunk by chunk."""
+    return await routed_chat(json_body(request), request)
+
+
+async def routed_chat(body: dict[str, Any], request: Request) -> Response:
+    """A client's chat request through the flow (P/D when it pays), the proxy's default
+    ``max_tokens`` written in: the chat route's, and the Responses and Messages APIs'."""
     state = get_state(request)
-    body = client_body(json_body(request), request)
+    body = client_body(body, request)
     if state.settings.default_max_tokens and not (
         body.get("max_tokens") or body.get("max_completion_tokens")
     ):

@@ -51,12 +51,16 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from tandem.server.wire.edge import request_id_header
 from tandem.server.wire.errors import APIError, ClientDisconnected, error_body, error_response
-from tandem.server.wire.sse import SSE_HEADERS, error_event, ndjson_line
+from tandem.server.wire.sse import (
+    SSE_HEADERS,
+    DisconnectAwareStreamingResponse,
+    error_event,
+    ndjson_line,
+)
 from tandem.server.wire.tenancy import TENANT_HEADER, request_tenant
 
 from . import routing
@@ -82,6 +86,7 @@ PATHS = {
     "encode": "/v1/encode",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
+    "count_tokens": "/v1/messages/count_tokens",
 }
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 DISCONNECT_POLL_S = 0.2
@@ -150,24 +155,6 @@ class Job:
     chunks: list[bytes]
     prompt_tokens: int
     deadline: Deadline
-
-
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving, whatever ASGI spec
-    version the server reports, so the upstream stream is closed (and the engine aborts)
-    at once rather than at the next chunk."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
 
 
 class PDFlow:

@@ -196,6 +196,15 @@ def credentials_from_args(
     )
 
 
+def presented_key(headers: Mapping[bytes, bytes]) -> bytes:
+    """The ``Authorization`` header, or Anthropic's ``x-api-key`` as its bearer token (what
+    the ``anthropic`` SDK and tools pointed at ``ANTHROPIC_BASE_URL`` send)."""
+    if authorization := headers.get(b"authorization"):
+        return authorization
+    key = headers.get(b"x-api-key", b"").strip()
+    return b"Bearer " + key if key else b""
+
+
 def is_admin_path(path: str, paths: frozenset[str], prefixes: tuple[str, ...]) -> bool:
     return path in paths or path.startswith(prefixes)
 
@@ -220,7 +229,7 @@ class AuthMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        given = presented_key(dict(scope.get("headers") or ()))
         who = self.credentials.principal(given)
         state = scope.setdefault("state", {})
         state["principal"] = who

@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.server.logsafe import escape_controls
 
+from .anthropic_errors import AnthropicErrors
+
 log = logging.getLogger("tandem.http")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -70,8 +72,9 @@ def edge_from_args(args: argparse.Namespace) -> EdgeSettings:
 
 
 def install_edge(app: FastAPI, settings: EdgeSettings) -> None:
-    """Outermost first: request id (so every answer, 413 included, carries one), then the
-    body limit, then CORS (off unless origins are given)."""
+    """Outermost first: request id (so every answer, 413 included, carries one), the
+    Messages routes' errors in Anthropic's shape, then the body limit, then CORS (off
+    unless origins are given)."""
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -81,6 +84,7 @@ def install_edge(app: FastAPI, settings: EdgeSettings) -> None:
             expose_headers=["X-Request-Id"],
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AnthropicErrors)
     app.add_middleware(RequestIdMiddleware)
 
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Send
 
 log = logging.getLogger("tandem.api")
@@ -171,6 +172,20 @@ def without_422(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the routes on this path take (Starlette's 405 names only the first
+    route's, and ``GET``/``DELETE /v1/responses/{id}`` are two routes)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+    ]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     without_422(app)
 
@@ -191,9 +206,10 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             exc.status_code
         )
-        return error_response(
-            APIError(exc.status_code, str(exc.detail), code=code), headers=exc.headers
-        )
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code), headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""The quantized GEMV against the product with gguf's own dequantized weights, in float64.
+"""The quantized GEMV against the product with gguf's own dequantized weights, in float64;
+the default model (a Q4_1 file) with its weights multiplied as blocks against dequantized.
 
 The kernel rebuilds each weight in float32 exactly as gguf's ``dequantize`` does, so the two
 differ only in how the K products are summed: each of 16 lanes sums K/16 products in order,
@@ -15,7 +16,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from tandem.server.engine import kernels
+from tandem.server.engine import LLM, SamplingParams, kernels
+from tandem.server.engine.default_model import default_model_path
+from tandem.server.engine.models.layers import QUANT_ROWS, Linear
+
+from .test_default_model import MAX_TOKENS, PROMPTS
 
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
@@ -70,3 +75,75 @@ def test_strided_rows_read_in_place() -> None:
     got = kernels.quant_gemv(x, torch.from_numpy(blocks), qtype.value)
     want, magnitude = reference(x, blocks, qtype)
     assert ((got.double() - want).abs() <= (128 / 16 + 5) * 2**-24 * magnitude).all()
+
+
+@pytest.fixture(scope="module")
+def default_engines() -> dict[str, LLM]:
+    """The default model with its weights multiplied as blocks (``auto``) and dequantized."""
+    path = str(default_model_path())
+    return {q: LLM(path, kv_cache_tokens=4096, quantized_weights=q) for q in ("auto", "off")}
+
+
+def _quantized_layers(llm: LLM) -> int:
+    return sum(
+        isinstance(m, Linear) and m.quantized is not None
+        for m in llm.engine.worker.runner.model.modules()
+    )
+
+
+def test_default_model_generates_the_same_text_from_its_blocks(default_engines) -> None:
+    """The default model's test prompts: greedy tokens equal with the blocks and without, the
+    chosen tokens' logprobs within 1e-4 (float32 sums in another order through 30 layers;
+    the largest difference measured here was 1.1e-5)."""
+    quant, dense = default_engines["auto"], default_engines["off"]
+    # q|k|v, o, gate|up and down in each of the 30 layers, and the tied lm_head (Q8_0)
+    assert _quantized_layers(quant) == 4 * 30 + 1 and _quantized_layers(dense) == 0
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    # one prompt at a time (a batch of 12 decodes past QUANT_ROWS, by the dequantized weights)
+    got = [quant.generate([p], params)[0] for p in PROMPTS]
+    want = [dense.generate([p], params)[0] for p in PROMPTS]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    diff = max(
+        abs(a.logprob - b.logprob)
+        for g, w in zip(got, want)
+        for a, b in zip(g.logprobs, w.logprobs)
+    )
+    assert diff < 1e-4, diff
+
+
+def test_paris_from_the_blocks(default_engines) -> None:
+    quant, dense = default_engines["auto"], default_engines["off"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = quant.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
+    params = SamplingParams(temperature=0, max_tokens=32)
+    answer = quant.generate([prompt], params)[0].text
+    assert "Paris" in answer and answer == dense.generate([prompt], params)[0].text
+
+
+def test_a_layer_takes_its_blocks_for_few_rows_only_and_while_its_weight_is_theirs() -> None:
+    """Past ``QUANT_ROWS`` rows, or once the weight is written (``update_weights``), the
+    dequantized weight multiplies: the blocks no longer describe it."""
+    qtype = GGMLQuantizationType.Q4_0
+    blocks = random_blocks(qtype, 48, 64, seed=9)
+    layer = Linear(64, 48, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(dequantize(blocks, qtype)))
+    layer.use_quantized(torch.from_numpy(blocks), qtype.value)
+    calls = []
+    original = kernels.quant_gemv
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return original(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "quant_gemv", counting)
+        for rows in (1, QUANT_ROWS, QUANT_ROWS + 1):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        layer(torch.randn(1, 64))
+    assert calls == [1, QUANT_ROWS]

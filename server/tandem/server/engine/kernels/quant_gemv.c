@@ -37,31 +37,34 @@ INLINE float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* One block's 32 weights in float32: elements 0..15 in *lo, 16..31 in *hi. */
+/* One block's 32 weights in float32: elements 0..15 in *lo, 16..31 in *hi. A 4-bit block's
+ * 16 possible weights are made once as a table (the same d * q + m, rounded once) and its
+ * nibbles look them up (vpermps reads an index's low 4 bits only: no masking). */
 INLINE void block_weights(const uint8_t *b, const int qtype, __m512 *lo, __m512 *hi) {
-    __m512 d = _mm512_set1_ps(half_at(b));
     if (qtype == Q8_0) {
+        __m512 d = _mm512_set1_ps(half_at(b));
         __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
         __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
         *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
         return;
     }
-    const uint8_t *qs = b + (qtype == Q4_1 ? 4 : 2);
-    __m128i packed = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
-    __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
-    __m512 q1 = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
-    if (qtype == Q4_0) { /* d * (q - 8): (q - 8) is exact, so is its product with a half */
-        q0 = _mm512_sub_ps(q0, _mm512_set1_ps(8.0f));
-        q1 = _mm512_sub_ps(q1, _mm512_set1_ps(8.0f));
-        *lo = _mm512_mul_ps(d, q0);
-        *hi = _mm512_mul_ps(d, q1);
-        return;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if (qtype == Q4_1) { /* d * q + m */
+        int32_t dm;
+        memcpy(&dm, b, sizeof dm);
+        __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(dm)); /* d, m, d, m, ... */
+        table = _mm512_fmadd_ps(_mm512_moveldup_ps(pairs), iota, _mm512_movehdup_ps(pairs));
+    } else { /* d * (q - 8): exact */
+        int16_t d;
+        memcpy(&d, b, sizeof d);
+        __m512 dv = _mm512_cvtph_ps(_mm256_set1_epi16(d));
+        table = _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
-    __m512 m = _mm512_set1_ps(half_at(b + 2));
-    *lo = _mm512_fmadd_ps(d, q0, m);
-    *hi = _mm512_fmadd_ps(d, q1, m);
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qtype == Q4_1 ? 4 : 2))));
+    *lo = _mm512_permutexvar_ps(idx, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
 /* One output column n for all rows: x is [rows, K] float32 (contiguous), out[r] = x[r] . w */

@@ -13,6 +13,7 @@ from . import cuda_ops
 from .ops import (
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
+    QUANT_MAX_ROWS,
     cpu_kernels_for,
     paged_decode,
     paged_decode_for,
@@ -26,6 +27,7 @@ from .ops import (
 __all__ = [
     "QUANT_BLOCK",
     "QUANT_BLOCK_BYTES",
+    "QUANT_MAX_ROWS",
     "cpu_kernels_for",
     "cuda_ops",
     "paged_decode",

@@ -124,6 +124,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 # ggml's type ids of the block formats quant_gemv multiplies by, and each block's bytes.
 QUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # Q8_0, Q4_0, Q4_1
 QUANT_BLOCK = 32  # weights per block
+QUANT_MAX_ROWS = 8  # quant_gemv.c's MAX_ROWS
 
 
 def quant_gemv_for(device: torch.device, dtype: torch.dtype) -> bool:
@@ -136,6 +137,8 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tenso
     or bfloat16), blocks ``[N, K / 32 * block bytes]`` uint8 of ggml type ``qtype``
     (``QUANT_BLOCK_BYTES``'s keys); returns ``[M, N]`` in x's dtype."""
     rows, k = x.shape
+    if not 1 <= rows <= QUANT_MAX_ROWS or k % QUANT_BLOCK:
+        raise ValueError(f"quant_gemv takes 1..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=x.dtype)

@@ -90,9 +90,9 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
 
 
-# The most rows multiplied by GGUF blocks: past it the dequantized weight's product is faster
-# (measured on the default model, bench/quant_decode.py).
-QUANT_ROWS = 8
+# The most rows multiplied by GGUF blocks: the kernel's limit, not a measured crossover (at 8
+# rows the blocks were still 1.7x faster on the default model: bench/quant_decode.py --rows 8).
+QUANT_ROWS = kernels.QUANT_MAX_ROWS
 
 
 # The row counts where the packed product wins (measured on a Sapphire Rapids core): always

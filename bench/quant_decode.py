@@ -9,7 +9,9 @@ reset between runs; the median over rounds is printed with the ratio and the loa
 The linears' share of a step is the time spent inside ``Linear.matmul`` (timed around each
 call) over the step's. ``--rows`` also times decode steps of that many sequences at once, to
 place the crossover ``models.layers.QUANT_ROWS`` where the blocks stop winning.
-No assertion: figures to read, not a test.
+Run it with ``MKL_NUM_THREADS=1``: on 2 cores MKL's threads for a one-row ``F.linear`` and the
+C kernels' OpenMP threads contend, and the dequantized engine loses several times over to that
+rather than to its weights. No assertion: figures to read, not a test.
 """
 
 from __future__ import annotations

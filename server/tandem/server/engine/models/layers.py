@@ -90,8 +90,8 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
 
 
-# The most rows multiplied by GGUF blocks: the kernel's limit, not a measured crossover (at 8
-# rows the blocks were still 1.7x faster on the default model: bench/quant_decode.py --rows 8).
+# The most rows multiplied by GGUF blocks: the kernel's limit, and about the crossover (at 8
+# rows the blocks were 1.1x faster on the default model: bench/quant_decode.py --rows 8).
 QUANT_ROWS = kernels.QUANT_MAX_ROWS
 
 

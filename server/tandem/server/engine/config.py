@@ -38,6 +38,9 @@ class EngineConfig:
     # so cached_tokens never reveals another tenant's prompt; "global" shares across keys.
     prefix_cache_scope: PrefixCacheScope = "key"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    # A GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights multiplied as blocks at decode batch
+    # sizes on an AVX-512 CPU ("auto"), or always by their dequantized copy ("off").
+    quantized_weights: Literal["auto", "off"] = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -87,6 +90,10 @@ class EngineConfig:
             f"pooling must be last, mean or cls, got {self.pooling!r}",
         )
 
+        _check(
+            self.quantized_weights in ("auto", "off"),
+            f"quantized_weights must be auto or off, got {self.quantized_weights!r}",
+        )
         _check(
             self.prefix_cache_scope in get_args(PrefixCacheScope),
             f"prefix_cache_scope must be key or global, got {self.prefix_cache_scope!r}",

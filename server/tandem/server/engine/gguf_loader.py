@@ -6,6 +6,8 @@ with the ``gguf`` package's own dequantizers (float32, then the engine's dtype) 
 HuggingFace's names; llama.cpp stores a Llama's q/k projections with their rows permuted for
 its interleaved RoPE, which is undone here exactly as llama.cpp's converter did it. The
 tokenizer and chat template come from the file through transformers' GGUF support.
+``gguf_blocks`` also hands out the Q8_0 / Q4_0 / Q4_1 weights still in their blocks, for the
+CPU layers that multiply by them directly (``models.layers.Linear.use_quantized``).
 
 Anything this engine cannot run (another architecture, a quantization type without a
 dequantizer here, a damaged file) is a ``ModelLoadError`` naming what, raised before any
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .kernels import QUANT_BLOCK_BYTES
 from .models.config import ModelConfig, ModelLoadError
 from .paths import cache_dir
 
@@ -145,11 +148,30 @@ def gguf_tensors(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torc
             weights = dequantize(t.data, t.tensor_type)
         except Exception as exc:  # noqa: BLE001 - a short data section fails here
             raise ModelLoadError(f"{path}: cannot read tensor {t.name}: {exc}") from None
-        weights = weights.reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            weights = unpermute_qk(weights, heads)
+        weights = _hf_rows(weights.reshape([int(d) for d in reversed(t.shape)]), name, arch, cfg)
         yield name, torch.from_numpy(np.array(weights, dtype=np.float32))  # off the memmap
+
+
+def gguf_blocks(path: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """The 2-D weights stored in a block format ``quant_gemv`` multiplies by (Q8_0, Q4_0,
+    Q4_1), as they are in the file: HF name, ggml type id, uint8 ``[rows, row bytes]`` (a
+    row's blocks are independent of other rows', so q/k's row permutation applies as is)."""
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture", path)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type.value not in QUANT_BLOCK_BYTES or len(t.shape) != 2:
+            continue
+        blocks = _hf_rows(t.data.reshape(int(t.shape[1]), -1), name, arch, cfg)
+        yield name, int(t.tensor_type.value), torch.from_numpy(np.array(blocks))  # off the memmap
+
+
+def _hf_rows(weights: np.ndarray, name: str, arch: str, cfg: ModelConfig) -> np.ndarray:
+    """A tensor's rows in HF's order: llama's q/k rows were permuted by llama.cpp's converter."""
+    if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+        return unpermute_qk(weights, heads)
+    return weights
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -12,6 +12,7 @@ rest (embeddings, norms, lm_head, row-parallel biases) is replicated.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from . import gguf_loader
+from . import gguf_loader, kernels
 from .models.config import (
     DTYPES,
     ModelConfig,
@@ -30,7 +31,7 @@ from .models.config import (
     architecture_of,
 )
 from .models.families import family_of
-from .models.layers import PackedLinear, RowParallelLinear
+from .models.layers import Linear, PackedLinear, RowParallelLinear
 from .models.rope import RotaryEmbedding
 from .parallel import SINGLE, TensorParallel
 
@@ -43,6 +44,7 @@ _PACKED_PARENT = {
     "up_proj": "gate_up_proj",
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -100,8 +102,15 @@ def _checkpoint_tensors(model_dir: Path, cfg: ModelConfig) -> Iterator[tuple[str
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+    quantized: bool = False,
 ) -> nn.Module:
+    """The model with its weights; with ``quantized``, a GGUF file's block-format linear
+    weights are also kept as blocks where the CPU kernel can multiply by them (see
+    ``attach_quantized``)."""
     model_dir = Path(model_dir)
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
@@ -121,17 +130,64 @@ def load_model(
     missing = expected - loaded
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {sorted(missing)[:8]}")
+    if quantized and gguf_loader.is_gguf(model_dir) and tp.size == 1:
+        if kernels.quant_gemv_for(device, dtype):
+            attach_quantized(model, model_dir, cfg)
     return model.eval()
 
 
+def attach_quantized(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int:
+    """Give each linear layer whose weights the file holds in Q8_0 / Q4_0 / Q4_1 blocks
+    those blocks (``Linear.use_quantized``); returns how many layers got them.
+
+    The dequantized weights stay: they are the reference, and the faster product for
+    prefill-sized batches. Keeping both costs the blocks' size on top (4.5 to 8.5 bits a
+    weight, an eighth to a quarter of the float32 weights); dropping the float weights and
+    dequantizing per call would make every prefill pay a dequantization. A packed layer
+    (q|k|v, gate|up) gets blocks only when all its shards are in one type (a K-quant mix
+    leaves it dequantized); the lm_head takes the embedding's blocks when tied.
+    """
+    modules = dict(model.named_modules())
+    shards: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
+    attached = 0
+    for name, qtype, blocks in gguf_loader.gguf_blocks(path, cfg):
+        if name == "model.embed_tokens.weight" and cfg.tie_word_embeddings:
+            name = "lm_head.weight"
+        m = _PACKED.match(name)
+        if m is None:
+            layer = modules.get(name.removesuffix(".weight"))
+            if isinstance(layer, Linear):
+                layer.use_quantized(blocks, qtype)
+                attached += 1
+            continue
+        prefix, shard, _ = m.groups()
+        parent = f"{prefix}.{_PACKED_PARENT[shard]}"
+        layer = modules.get(parent)
+        if not isinstance(layer, PackedLinear):
+            continue
+        got = shards.setdefault(parent, {})
+        got[shard] = (qtype, blocks)
+        if len(got) == len(layer.shard_offsets) and len({t for t, _ in got.values()}) == 1:
+            layer.use_quantized(torch.cat([got[s][1] for s in layer.shard_offsets]), qtype)
+            attached += 1
+    log.info("%d linear layers multiply by their GGUF blocks at decode batch sizes", attached)
+    return attached
+
+
 def reload_weights(
-    model: nn.Module, model_dir: str | Path, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    model: nn.Module,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    tp: TensorParallel = SINGLE,
+    quantized: bool = False,
 ) -> None:
     """Replace ``model``'s weights with ``model_dir``'s in place, so what points at the
     parameters (the runner, captured CUDA graphs) stays valid. The new weights are read into
     host memory first: a checkpoint that fails to load, or whose shapes differ, leaves
-    ``model`` as it was."""
-    fresh = dict(load_model(model_dir, dtype, torch.device("cpu"), tp).named_parameters())
+    ``model`` as it was. Quantized blocks follow the new file's (a layer whose new weights
+    come without blocks goes back to its dequantized weight: its old blocks no longer match)."""
+    loaded = load_model(model_dir, dtype, torch.device("cpu"), tp, quantized)
+    fresh = dict(loaded.named_parameters())
     params = dict(model.named_parameters())
     for name, param in params.items():
         if name not in fresh or fresh[name].shape != param.shape:
@@ -142,6 +198,11 @@ def reload_weights(
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(fresh[name])
+    fresh_layers = dict(loaded.named_modules())
+    for name, layer in model.named_modules():
+        new = fresh_layers.get(name)
+        if isinstance(layer, Linear) and isinstance(new, Linear) and new.quantized is not None:
+            layer.use_quantized(new.quantized, new.qtype)
 
 
 def _load_tensor(

@@ -174,7 +174,8 @@ class ModelRunner:
         num_qo_heads = tp.divide(model_config.num_attention_heads, "num_attention_heads")
         num_kv_heads = tp.divide(model_config.num_key_value_heads, "num_key_value_heads")
         self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
-        self.model = load_model(config.model, self.dtype, device, tp)
+        self.quantized = config.quantized_weights == "auto"
+        self.model = load_model(config.model, self.dtype, device, tp, self.quantized)
         self.num_blocks = self._agree(self._num_kv_blocks())
         self.kv_cache = KVCache(
             model_config, self.num_blocks, config.block_size, self.dtype, device, num_kv_heads
@@ -239,12 +240,14 @@ class ModelRunner:
 
     def load_weights(self, path: str) -> None:
         """Swap in ``path``'s weights (same shapes; see ``loader.reload_weights``)."""
-        reload_weights(self.model, path, self.dtype, self.tp)
+        reload_weights(self.model, path, self.dtype, self.tp, self.quantized)
         self.weights_path = path
 
     def wake_up(self, level: int) -> None:
         if level == 2:
-            self.model = load_model(self.weights_path, self.dtype, self.device, self.tp)
+            self.model = load_model(
+                self.weights_path, self.dtype, self.device, self.tp, self.quantized
+            )
         elif self.device.type == "cuda":
             self.model.to(self.device)
         self.kv_cache.restore()

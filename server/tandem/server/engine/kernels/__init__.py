@@ -2,20 +2,38 @@
 
 ``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only);
 ``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
-embedding), one pass each instead of several torch ops. ``library.py`` builds and loads them; ``ops.py`` is the typed
+embedding), one pass each instead of several torch ops; ``quant_gemv.c`` multiplies a few rows
+by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (AVX-512 only). ``library.py`` builds and loads them; ``ops.py`` is the typed
 Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for 16-bit
 CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot (no C
 compiler, a GPU, float16) and that the tests compare them against.
 """
 
 from . import cuda_ops
-from .ops import cpu_kernels_for, paged_decode, paged_decode_for, rms_norm, rope_, silu_and_mul
+from .ops import (
+    QUANT_BLOCK,
+    QUANT_BLOCK_BYTES,
+    QUANT_MAX_ROWS,
+    cpu_kernels_for,
+    paged_decode,
+    paged_decode_for,
+    quant_gemv,
+    quant_gemv_for,
+    rms_norm,
+    rope_,
+    silu_and_mul,
+)
 
 __all__ = [
+    "QUANT_BLOCK",
+    "QUANT_BLOCK_BYTES",
+    "QUANT_MAX_ROWS",
     "cpu_kernels_for",
     "cuda_ops",
     "paged_decode",
     "paged_decode_for",
+    "quant_gemv",
+    "quant_gemv_for",
     "rms_norm",
     "rope_",
     "silu_and_mul",

@@ -24,7 +24,7 @@ from ..paths import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_decode.c", HERE / "layers.c"]
+SOURCES = [HERE / "paged_decode.c", HERE / "layers.c", HERE / "quant_gemv.c"]
 HEADERS = [HERE / "convert.h"]
 # Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
@@ -41,6 +41,8 @@ SIGNATURES = {
     "silu_mul": [_P, _P, _I, _I, _I, _I],
     # x, cos, sin, tokens, heads, head_dim, rotary_dim, token_stride, bf16, threads
     "rope": [_P, _P, _P, _I, _I, _I, _I, _I64, _I, _I],
+    # x, x_stride, blocks, block_row_bytes, y, y_stride, rows, N, K, ggml type, bf16, threads
+    "quant_gemv": [_P, _I64, _P, _I64, _P, _I64] + [_I] * 6,
 }
 
 
@@ -60,7 +62,7 @@ def load() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # paged_decode is built on AVX-512 machines only
+        if hasattr(lib, name):  # paged_decode and quant_gemv: AVX-512 machines only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
     return lib

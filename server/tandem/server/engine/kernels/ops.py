@@ -119,3 +119,41 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         torch.get_num_threads(),
     )
     return x
+
+
+# ggml's type ids of the block formats quant_gemv multiplies by, and each block's bytes.
+QUANT_BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # Q8_0, Q4_0, Q4_1
+QUANT_BLOCK = 32  # weights per block
+QUANT_MAX_ROWS = 8  # quant_gemv.c's MAX_ROWS
+
+
+def quant_gemv_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``quant_gemv`` can multiply activations on ``device`` in ``dtype`` (AVX-512)."""
+    return cpu_kernels_for(device, dtype) and hasattr(library.load(), "quant_gemv")
+
+
+def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``x @ W^T`` for W kept as GGUF blocks: x ``[M, K]`` (M <= 8, rows contiguous, float32
+    or bfloat16), blocks ``[N, K / 32 * block bytes]`` uint8 of ggml type ``qtype``
+    (``QUANT_BLOCK_BYTES``'s keys); returns ``[M, N]`` in x's dtype."""
+    rows, k = x.shape
+    if not 1 <= rows <= QUANT_MAX_ROWS or k % QUANT_BLOCK:
+        raise ValueError(f"quant_gemv takes 1..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, blocks.shape[0], dtype=x.dtype)
+    library.load().quant_gemv(
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        blocks.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        blocks.shape[0],
+        k,
+        qtype,
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out

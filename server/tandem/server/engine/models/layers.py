@@ -34,21 +34,53 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, on CPU, multiplies by a copy of its weight in oneDNN's own layout.
+    """``nn.Linear`` that, on CPU, multiplies by a copy of its weight in oneDNN's own layout,
+    or, for a few rows, by the GGUF blocks the weight was dequantized from.
 
     Given a plain weight, oneDNN reorders it into its blocked layout on every call; for the
     few rows of a decode step that reorder costs about as much as the product. The copy is
     made on first use and again whenever the weight is replaced or written in place (its
     data pointer or version changes). It doubles the memory these weights take on CPU.
+
+    A layer loaded from a GGUF file on CPU may also keep the file's Q8_0 / Q4_0 / Q4_1
+    blocks (``use_quantized``): up to ``QUANT_ROWS`` rows are multiplied by them (a quarter
+    to an eighth of the float32 weight's bytes read per step); more rows, and any weight
+    written since, take the dequantized weight, which stays the reference.
     """
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
+    _quantized_for: tuple[int, int] | None = None  # the weight's (pointer, version) it matches
+    qtype: int = 0  # the blocks' ggml type id
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        # a buffer, so that dropping the weights (to_empty on meta) drops the blocks too
+        self.register_buffer("quantized", None, persistent=False)
+
+    def use_quantized(self, blocks: torch.Tensor, qtype: int) -> None:
+        """Multiply few rows by ``blocks`` (uint8 ``[out, in / 32 * block bytes]`` of ggml
+        type ``qtype``), the blocks the current weight was dequantized from."""
+        row_bytes = self.in_features // kernels.QUANT_BLOCK * kernels.QUANT_BLOCK_BYTES[qtype]
+        if blocks.shape != (self.out_features, row_bytes) or blocks.dtype != torch.uint8:
+            raise ValueError(
+                f"blocks {tuple(blocks.shape)} do not fit a {self.weight.shape} weight"
+            )
+        self.quantized, self.qtype = blocks, qtype
+        self._quantized_for = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.weight
+        if (
+            self.quantized is not None
+            and x.dim() == 2
+            and x.shape[0] <= QUANT_ROWS
+            and self._quantized_for == (w.data_ptr(), w._version)
+        ):
+            y = kernels.quant_gemv(x, self.quantized, self.qtype)
+            return y if bias is None else y + bias
         rows = _PACKED_ROWS.get(w.dtype) if x.device.type == "cpu" and x.dtype == w.dtype else None
         if rows is None or not rows[0] <= x.shape[0] <= rows[1]:
             return F.linear(x, w, bias)
@@ -56,6 +88,11 @@ class Linear(nn.Linear):
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
+
+
+# The most rows multiplied by GGUF blocks: the kernel's limit, and about the crossover (at 8
+# rows the blocks were 1.1x faster on the default model: bench/quant_decode.py --rows 8).
+QUANT_ROWS = kernels.QUANT_MAX_ROWS
 
 
 # The row counts where the packed product wins (measured on a Sapphire Rapids core): always

@@ -1,0 +1,143 @@
+/* y[M, N] = x[M, K] @ W^T with W kept in GGUF's (ggml's) block formats, for the few rows of a
+ * decode step: each block of 32 weights is read once from memory and used for all M rows, so
+ * a step reads the file's 4.5 to 8.5 bits per weight instead of the dequantized float32's 32.
+ * AVX-512; built without it, the library has no quant_gemv and the layers keep their
+ * dequantized weights (loader.py).
+ *
+ * Blocks (ggml's block_q8_0 / block_q4_0 / block_q4_1, little-endian, packed):
+ *   Q8_0: fp16 d, int8 q[32]               w[i] = d * q[i]
+ *   Q4_0: fp16 d, uint8 qs[16]             w[i] = d * (nibble(i) - 8)
+ *   Q4_1: fp16 d, fp16 m, uint8 qs[16]     w[i] = d * nibble(i) + m
+ * nibble(i) is qs[i] & 15 for i < 16 and qs[i - 16] >> 4 for i >= 16.
+ *
+ * Each weight is rebuilt in float32 exactly as gguf's dequantize builds it (d * q is exact in
+ * float32; Q4_1's + m rounds once, fused or not), so the product differs from the
+ * dequantized model's only in the order of the float32 sums. Its reference is that product
+ * (tests/engine/test_quant_gemv.py).
+ */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "convert.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define QK 32
+#define MAX_ROWS 8
+#define PARALLEL_WORK 65536 /* below this many weights one thread does it all */
+/* ggml's type ids, as gguf.GGMLQuantizationType numbers them */
+#define Q4_0 2
+#define Q4_1 3
+#define Q8_0 8
+
+INLINE float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* One block's 32 weights in float32: elements 0..15 in *lo, 16..31 in *hi. A 4-bit block's
+ * 16 possible weights are made once as a table (the same d * q + m, rounded once) and its
+ * nibbles look them up (vpermps reads an index's low 4 bits only: no masking). */
+INLINE void block_weights(const uint8_t *b, const int qtype, __m512 *lo, __m512 *hi) {
+    if (qtype == Q8_0) {
+        __m512 d = _mm512_set1_ps(half_at(b));
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if (qtype == Q4_1) { /* d * q + m */
+        int32_t dm;
+        memcpy(&dm, b, sizeof dm);
+        __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(dm)); /* d, m, d, m, ... */
+        table = _mm512_fmadd_ps(_mm512_moveldup_ps(pairs), iota, _mm512_movehdup_ps(pairs));
+    } else { /* d * (q - 8): exact */
+        int16_t d;
+        memcpy(&d, b, sizeof d);
+        __m512 dv = _mm512_cvtph_ps(_mm256_set1_epi16(d));
+        table = _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    }
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qtype == Q4_1 ? 4 : 2))));
+    *lo = _mm512_permutexvar_ps(idx, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
+}
+
+/* One output column n for all rows: x is [rows, K] float32 (contiguous), out[r] = x[r] . w */
+INLINE void dot_rows(const float *restrict x, const uint8_t *restrict w, float *out, int K,
+                     const int rows, const int qtype, const int block_bytes) {
+    __m512 acc[2 * MAX_ROWS];
+    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < K / QK; b++) {
+        __m512 lo, hi;
+        block_weights(w + (int64_t)b * block_bytes, qtype, &lo, &hi);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (int64_t)r * K + b * QK;
+            acc[2 * r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+}
+
+/* The columns [n0, n1) of y, with rows and qtype constants where it is inlined. */
+INLINE void columns(const float *x, const uint8_t *w, int64_t w_stride, void *y,
+                    int64_t y_stride, int n0, int n1, int K, const int rows, const int qtype,
+                    const int bf16) {
+    const int block_bytes = qtype == Q8_0 ? 34 : (qtype == Q4_1 ? 20 : 18);
+    float out[MAX_ROWS];
+    for (int n = n0; n < n1; n++) {
+        dot_rows(x, w + (int64_t)n * w_stride, out, K, rows, qtype, block_bytes);
+        for (int r = 0; r < rows; r++) store(y, (int64_t)r * y_stride + n, out[r], bf16);
+    }
+}
+
+#define ROWS_CASE(R)                                                                         \
+    case R:                                                                                  \
+        return columns(x, w, w_stride, y, y_stride, n0, n1, K, R, qtype, bf16);
+
+INLINE void columns_for(const float *x, const uint8_t *w, int64_t w_stride, void *y,
+                        int64_t y_stride, int n0, int n1, int K, int rows, const int qtype,
+                        int bf16) {
+    switch (rows) {
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    }
+}
+
+static void columns_any(const float *x, const uint8_t *w, int64_t w_stride, void *y,
+                        int64_t y_stride, int n0, int n1, int K, int rows, int qtype, int bf16) {
+    if (qtype == Q8_0)
+        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q8_0, bf16);
+    else if (qtype == Q4_0)
+        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_0, bf16);
+    else
+        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_1, bf16);
+}
+
+/* y[rows, N] (rows y_stride elements apart, x's dtype) = x[rows, K] @ W^T; x's rows are
+ * x_stride elements apart, W's N rows of K / 32 blocks are w_stride bytes apart. rows <= 8,
+ * K a multiple of 32, qtype one of Q8_0, Q4_0, Q4_1. x is widened to float32 once. */
+void quant_gemv(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, void *y,
+                int64_t y_stride, int rows, int N, int K, int qtype, int bf16, int threads) {
+    float *xf = aligned_alloc(64, ((size_t)rows * K * sizeof(float) + 63) / 64 * 64);
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < K; k++) xf[(int64_t)r * K + k] = load(x, (int64_t)r * x_stride + k, bf16);
+    if ((int64_t)N * K <= PARALLEL_WORK || threads <= 1) {
+        columns_any(xf, w, w_stride, y, y_stride, 0, N, K, rows, qtype, bf16);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
+            columns_any(xf, w, w_stride, y, y_stride, n0, n1, K, rows, qtype, bf16);
+        }
+    }
+    free(xf);
+}
+#endif

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tandem.server import local
+from tandem.server.net import reserve_port
 
 from .utils import start_up, stop_up, wait_until
 
@@ -66,9 +67,11 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
     topo = local.load_plan(_args(file=f, prefill=2, decode=3))
     assert [(r.role, r.replicas) for r in topo.engines] == [("prefill", 2), ("decode", 3)]
     assert "--kv-cache-tokens" in topo.engines[0].args and "m" in topo.engines[0].args
+    proxy_listener = reserve_port("127.0.0.1")
+    proxy_port = proxy_listener.getsockname()[1]
     children = local.build_children(
         topo,
-        9999,
+        proxy_listener,
         tmp_path,
         api_key="sk-client-secret",
         base_env={"PATH": "/bin", "TANDEM_API_KEY": "inherited"},
@@ -83,8 +86,14 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
         "decode",
     ]
     assert len({c.port for c in children}) == len(children)
+    # each port is held from the moment it is picked until its child serves on it: nothing
+    # else on the machine can take it in between (the old pick-then-bind race)
+    for c in children:
+        with pytest.raises(OSError):
+            reserve_port("127.0.0.1", c.port)
+        c.listener.close()
     engine = children[1].argv
-    assert engine[engine.index("--proxy-url") + 1] == "http://127.0.0.1:9999"
+    assert engine[engine.index("--proxy-url") + 1] == f"http://127.0.0.1:{proxy_port}"
     assert engine[engine.index("--host") + 1] == "127.0.0.1"
     # keys travel in the environment, never on a command line; engines take only the
     # internal credential (not the client key, nor one inherited from the caller)

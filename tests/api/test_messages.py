@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import pytest
 
-from ..proxy.utils import FRONTS, ProxyProcess, engine_and_proxies, front_of, stop_all
+from ..proxy.utils import ProxyProcess, front_of, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess
 from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text, leaving_aborts
 
@@ -35,35 +35,21 @@ CHAT_TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("messages")
-    with engine_and_proxies(str(llama_dir), logs, *ENGINE_FLAGS) as s:
-        yield s
-
-
-@pytest.fixture(params=FRONTS)
-def front(request, stack) -> tuple[str, str]:
-    """``(url, key)`` of the engine, the aggregated proxy or the P/D proxy."""
-    url, headers = front_of(stack, request.param)
-    return url, headers.get("Authorization", "Bearer none").split()[-1]
-
-
 @pytest.fixture
-def client(front) -> anthropic.Anthropic:
-    url, key = front
+def client(keyed_front) -> anthropic.Anthropic:
+    url, key = keyed_front
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
 
 
 CONVERSATION = [{"role": "user", "content": "Tell me about Paris."}]
 
 
-def test_create_text_equals_chat_completions(client: anthropic.Anthropic, front) -> None:
+def test_create_text_equals_chat_completions(client: anthropic.Anthropic, keyed_front) -> None:
     m = client.messages.create(
         model=MODEL, system="Answer briefly.", messages=CONVERSATION, max_tokens=12, **GREEDY
     )
     text, finish = chat_text(
-        *front, [{"role": "system", "content": "Answer briefly."}, *CONVERSATION], 12
+        *keyed_front, [{"role": "system", "content": "Answer briefly."}, *CONVERSATION], 12
     )
     assert [b.type for b in m.content] == ["text"]
     assert m.content[0].text == text
@@ -90,8 +76,8 @@ def test_stream_and_get_final_message(client: anthropic.Anthropic) -> None:
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_raw_stream_is_anthropics_event_sequence(front) -> None:
-    url, key = front
+def test_raw_stream_is_anthropics_event_sequence(keyed_front) -> None:
+    url, key = keyed_front
     body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 6, "stream": True}
     with httpx.stream(
         "POST", url + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=60
@@ -125,7 +111,7 @@ def _forced_tool_use(client: anthropic.Anthropic, stream: bool) -> anthropic.typ
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_tool_use_tool_result_round_trip(client: anthropic.Anthropic, front, stream) -> None:
+def test_tool_use_tool_result_round_trip(client: anthropic.Anthropic, keyed_front, stream) -> None:
     first = _forced_tool_use(client, stream)
     use = next(b for b in first.content if b.type == "tool_use")
     messages = [
@@ -138,7 +124,7 @@ def test_tool_use_tool_result_round_trip(client: anthropic.Anthropic, front, str
     ]
     m = client.messages.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=12, **GREEDY)
     text, _ = chat_text(
-        *front,
+        *keyed_front,
         [
             {"role": "user", "content": ASK},
             {
@@ -201,8 +187,8 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("body", BAD_BODIES, ids=[json.dumps(b)[:60] for b in BAD_BODIES])
-def test_bad_input_is_a_4xx_in_anthropics_shape(front, body: dict) -> None:
-    url, key = front
+def test_bad_input_is_a_4xx_in_anthropics_shape(keyed_front, body: dict) -> None:
+    url, key = keyed_front
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         r = httpx.post(url + path, json={"model": MODEL, **body}, headers={"x-api-key": key})
         if path.endswith("count_tokens") and r.status_code == 200:
@@ -243,8 +229,8 @@ def test_x_api_key_and_bearer_both_authenticate(llama_dir, tmp_path: Path) -> No
         stop_all([proxy, srv])
 
 
-def test_openapi_describes_the_messages_routes(front) -> None:
-    url, key = front
+def test_openapi_describes_the_messages_routes(keyed_front) -> None:
+    url, key = keyed_front
     spec = httpx.get(url + "/openapi.json", headers={"x-api-key": key}, timeout=30).json()
     for path, model in [
         ("/v1/messages", "MessagesRequest"),

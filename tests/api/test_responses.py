@@ -19,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from ..proxy.utils import FRONTS, ProxyProcess, engine_and_proxies, front_of, stop_all
+from ..proxy.utils import ProxyProcess, front_of, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess
 from .utils import ASK, TOOL_RESULT, WEATHER_SCHEMA, chat_text, leaving_aborts
 
@@ -49,27 +49,13 @@ class Forecast(BaseModel):
     high: int = Field(ge=-50, le=60)
 
 
-@pytest.fixture(scope="module")
-def stack(llama_dir, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("responses")
-    with engine_and_proxies(str(llama_dir), logs, *ENGINE_FLAGS) as s:
-        yield s
-
-
-@pytest.fixture(params=FRONTS)
-def front(request, stack) -> tuple[str, str]:
-    """``(url, key)`` of the engine, the aggregated proxy or the P/D proxy."""
-    url, headers = front_of(stack, request.param)
-    return url, headers.get("Authorization", "Bearer none").split()[-1]
-
-
 @pytest.fixture
-def client(front) -> openai.OpenAI:
-    url, key = front
+def client(keyed_front) -> openai.OpenAI:
+    url, key = keyed_front
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def test_create_text_equals_chat_completions(client: openai.OpenAI, front) -> None:
+def test_create_text_equals_chat_completions(client: openai.OpenAI, keyed_front) -> None:
     r = client.responses.create(
         model=MODEL,
         instructions="Answer briefly.",
@@ -78,7 +64,7 @@ def test_create_text_equals_chat_completions(client: openai.OpenAI, front) -> No
         temperature=0,
     )
     text, finish = chat_text(
-        *front,
+        *keyed_front,
         [
             {"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "Tell me about Paris."},
@@ -147,7 +133,7 @@ def _forced_call(client: openai.OpenAI) -> openai.types.responses.Response:
     return r
 
 
-def test_function_tool_round_trip(client: openai.OpenAI, front) -> None:
+def test_function_tool_round_trip(client: openai.OpenAI, keyed_front) -> None:
     """The tool's result goes back by ``previous_response_id`` and by explicit items; both
     are the same conversation, so greedy text equals Chat Completions' for it."""
     first = _forced_call(client)
@@ -160,7 +146,7 @@ def test_function_tool_round_trip(client: openai.OpenAI, front) -> None:
     assert by_id.previous_response_id == first.id
     assert by_id.output_text == by_items.output_text
     text, _ = chat_text(
-        *front,
+        *keyed_front,
         [
             {"role": "user", "content": ASK},
             {
@@ -223,8 +209,8 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("body", BAD_BODIES, ids=[json.dumps(b)[:60] for b in BAD_BODIES])
-def test_bad_input_is_a_4xx_in_openais_shape(front, body: dict) -> None:
-    url, key = front
+def test_bad_input_is_a_4xx_in_openais_shape(keyed_front, body: dict) -> None:
+    url, key = keyed_front
     r = httpx.post(
         url + "/v1/responses",
         json={"model": MODEL, **body},
@@ -270,8 +256,8 @@ def test_stored_responses_belong_to_their_key(llama_dir, tmp_path: Path) -> None
         stop_all([proxy, srv])
 
 
-def test_openapi_describes_the_responses_routes(front) -> None:
-    url, key = front
+def test_openapi_describes_the_responses_routes(keyed_front) -> None:
+    url, key = keyed_front
     spec = httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {key}"}).json()
     paths = spec["paths"]
     op = paths["/v1/responses"]["post"]

@@ -2,8 +2,9 @@
 
 It reads the same YAML the operator reads and asks the same pure ``plan()`` for the
 topology, so an InferenceService means the same engines (roles, replicas, flags) on a
-laptop as in a cluster. Only what is Kubernetes' job changes: ports are free loopback
-ports instead of pod IPs, the proxy finds the engines because they register with it
+laptop as in a cluster. Only what is Kubernetes' job changes: ports are loopback ports
+that ``tandem up`` binds itself and hands to each child (``--listen-fd``, so no other
+process can take one between the pick and the child's start) instead of pod IPs, the proxy finds the engines because they register with it
 (``--proxy-url``) instead of by watching pods, and the model is a local directory or .gguf
 file (the default model, fetched once into the user's cache, when none is given) instead of
 a download into a volume.
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tandem.server.net import free_port
+from tandem.server.net import reserve_port
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 HOST = "127.0.0.1"
@@ -216,33 +217,44 @@ def _yaml(text: str, name: str) -> Any:
 # ----- the processes ------------------------------------------------------------------------------
 @dataclass
 class Child:
-    """One process of the topology."""
+    """One process of the topology, serving on a port ``tandem up`` holds for it."""
 
     name: str
     role: str
-    port: int
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    listener: socket.socket = field(repr=False)
+    port: int = 0
     proc: subprocess.Popen | None = None
     _log: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.port = self.listener.getsockname()[1]
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def start(self) -> None:
+        """Spawn the process on the held socket (``--listen-fd``); the socket passes to it, so
+        a restart binds the same port again (another free one if something took it)."""
+        listener = self.listener if self.listener.fileno() != -1 else _rebind(self.port)
+        self.port = listener.getsockname()[1]
+        fd = listener.fileno()
         self._log = open(self.log_path, "ab")
         # A session of its own: the terminal's Ctrl-C reaches tandem up only, which then stops
         # each child's whole group in order (tensor-parallel workers included).
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        with listener:
+            self.proc = subprocess.Popen(
+                [*self.argv, "--port", str(self.port), "--listen-fd", str(fd)],
+                env=self.env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(fd,),
+            )
 
     def signal(self, sig: int) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -267,6 +279,13 @@ class Child:
             self._log = None
 
 
+def _rebind(port: int) -> socket.socket:
+    try:
+        return reserve_port(HOST, port, reuse=True)
+    except OSError:
+        return reserve_port(HOST)
+
+
 # Keys a child might inherit from the caller's environment; each child gets only its own.
 KEY_ENV = (
     "TANDEM_API_KEY",
@@ -283,7 +302,7 @@ KEY_ENV = (
 
 def build_children(
     topology: Any,
-    proxy_port: int,
+    proxy_listener: socket.socket,
     log_dir: Path,
     api_key: str | None,
     base_env: dict[str, str] | None = None,
@@ -291,7 +310,8 @@ def build_children(
     internal_key: str,
     admin_key: str | None = None,
 ) -> list[Child]:
-    """The proxy first, then every engine replica, each with its own loopback port.
+    """The proxy first (on ``proxy_listener``), then every engine replica, each on a loopback
+    port reserved for it here.
 
     Engines take only the internal credential (and the admin key): nothing but the proxy,
     or an administrator, can call them. Every key travels in the environment."""
@@ -308,7 +328,7 @@ def build_children(
     # would oversubscribe it many times over.
     if "OMP_NUM_THREADS" not in env0:
         env0["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, n_engines)))
-    proxy_url = f"http://{HOST}:{proxy_port}"
+    proxy_url = f"http://{HOST}:{proxy_listener.getsockname()[1]}"
     exe = [sys.executable, "-m", "tandem.server.cli"]
     proxy_plan = topology.role("proxy")
     proxy_args = list(proxy_plan.args) if proxy_plan is not None else ["proxy"]
@@ -319,39 +339,21 @@ def build_children(
         Child(
             "proxy",
             "proxy",
-            proxy_port,
-            [
-                *exe,
-                *proxy_args,
-                "--host",
-                HOST,
-                "--port",
-                str(proxy_port),
-            ],
+            [*exe, *proxy_args, "--host", HOST],
             proxy_env,
             log_dir / "proxy.log",
+            proxy_listener,
         )
     ]
     gpus = _gpu_plan(engines)
     for r in engines:
         for i in range(r.replicas):
-            port = free_port()
             env = {**env0, **r.env}
             if (devices := gpus.get((r.name, i))) is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
-            argv = [
-                *exe,
-                *r.args,
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--proxy-url",
-                proxy_url,
-            ]
-            children.append(
-                Child(f"{r.name}-{i}", r.role, port, argv, env, log_dir / f"{r.name}-{i}.log")
-            )
+            argv = [*exe, *r.args, "--host", HOST, "--proxy-url", proxy_url]
+            log = log_dir / f"{r.name}-{i}.log"
+            children.append(Child(f"{r.name}-{i}", r.role, argv, env, log, reserve_port(HOST)))
     return children
 
 
@@ -567,7 +569,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("TANDEM_PROXY_API_KEY") or None
     admin_key = args.admin_api_key or os.environ.get("TANDEM_ADMIN_API_KEY") or None
     try:
-        proxy_port = free_port() if args.port == 0 else _check_port(args.port)
+        proxy_listener = _reserve_proxy_port(args.port)
     except UpError as exc:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
@@ -579,7 +581,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     children = build_children(
         topology,
-        proxy_port,
+        proxy_listener,
         log_dir,
         api_key,
         internal_key=secrets.token_urlsafe(32),
@@ -613,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         if stop.is_set():
             return 0
-        base = f"http://{HOST}:{proxy_port}/v1"
+        base = f"{children[0].url}/v1"
         # the key itself stays out of the terminal (and its scrollback and logs)
         auth = ' -H "Authorization: Bearer $TANDEM_PROXY_API_KEY"' if api_key else ""
         print(
@@ -652,12 +654,12 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _check_port(port: int) -> int:
-    with socket.socket() as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            raise UpError(
-                f"port {port} on {HOST} is in use; pick another with --port (0: any free port)"
-            ) from None
-    return port
+def _reserve_proxy_port(port: int) -> socket.socket:
+    """The port asked for (rebound over a previous run's TIME_WAIT, as uvicorn would) or,
+    for 0, a fresh one held exclusively."""
+    try:
+        return reserve_port(HOST, port, reuse=port != 0)
+    except OSError:
+        raise UpError(
+            f"port {port} on {HOST} is in use; pick another with --port (0: any free port)"
+        ) from None

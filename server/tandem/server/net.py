@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 
 
@@ -10,3 +11,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str, port: int = 0, *, reuse: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port), not yet listening, for a child
+    to serve on (``--listen-fd``). Unlike ``free_port`` the port is held from the moment it is
+    picked: no other process can bind it before the child serves. ``reuse`` (SO_REUSEADDR,
+    as uvicorn binds) rebinds a port a dead server left in TIME_WAIT, but then does not hold
+    it against other SO_REUSEADDR binders until it listens. Raises OSError when in use."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def add_listen_fd_argument(parser: argparse.ArgumentParser) -> None:
+    """``--listen-fd``: serve on a socket a parent process (``tandem up``) bound for us."""
+    parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def inherited_sockets(listen_fd: int | None) -> list[socket.socket] | None:
+    """uvicorn's ``sockets`` for ``--listen-fd`` (None: uvicorn binds ``--host``/``--port``)."""
+    return None if listen_fd is None else [socket.socket(fileno=listen_fd)]

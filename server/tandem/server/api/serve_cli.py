@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.server.net import add_listen_fd_argument, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
+    add_listen_fd_argument(parser)
     parser.add_argument(
         "--api-key",
         default=None,
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         settings.role,
     )
-    server.run()
+    server.run(sockets=inherited_sockets(args.listen_fd))
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from tandem.server.net import add_listen_fd_argument, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_edge_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
+    add_listen_fd_argument(parser)
     parser.add_argument(
         "--api-key",
         default=None,
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         len(nodes),
         args.discovery,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
+    uvicorn.Server(config).run(sockets=inherited_sockets(args.listen_fd))
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tandem.server.net import free_port
+from tandem.server.net import reserve_port
 
 from .model_specs import api_spec, on_gpu
 
@@ -46,13 +46,24 @@ def make_model(root: Path, arch: str = "llama") -> str:
 
 
 class ChildProcess:
-    """A ``tandem`` subcommand in a subprocess on loopback, its output in ``log_path``;
-    ``stop`` sends SIGTERM, then SIGKILL after ``timeout``."""
+    """A ``tandem`` subcommand in a subprocess serving on a loopback port held for it from the
+    pick (``--listen-fd``, as ``tandem up`` does), its output in ``log_path``; ``stop`` sends
+    SIGTERM, then SIGKILL after ``timeout``."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path | None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        with reserve_port("127.0.0.1") as listener:
+            self.port = listener.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
+            fd = listener.fileno()
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(self.port), "--listen-fd", str(fd)],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=(fd,),
+            )
 
     @property
     def headers(self) -> dict[str, str]:
@@ -96,8 +107,6 @@ class ServerProcess(ChildProcess):
         env: dict[str, str] | None = None,
         admin_key: str | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.admin_key = admin_key
         cmd = [
@@ -109,8 +118,6 @@ class ServerProcess(ChildProcess):
             model_dir,
             "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
             "--served-model-name",
             served_model_name,
             "--log-level",

@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from tandem.server.api.announce import deregister_engine, register_engine
+from tandem.server.net import free_port
 
 from ..utils import (
     ENGINE_FLAGS,
     ServerProcess,
-    free_port,
     give_up_while_held,
     leave_mid_stream,
     sse_events,

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 
-from ..utils import ChildProcess, ServerProcess, free_port, wait_until
+from ..utils import ChildProcess, ServerProcess, wait_until
 
 PROXY_KEY = "sk-proxy-key"  # a client key
 PROXY_ADMIN_KEY = "sk-proxy-admin"  # /nodes/*, /distserve/* (docs/security.md)
@@ -31,8 +31,6 @@ class ProxyProcess(ChildProcess):
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.admin_key = admin_key if api_key else None
         cmd = [
@@ -42,8 +40,6 @@ class ProxyProcess(ChildProcess):
             "proxy",
             "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
             "--log-level",
             "warning",
             *extra,

@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -89,8 +90,8 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
     # each port is held from the moment it is picked until its child serves on it: nothing
     # else on the machine can take it in between (the old pick-then-bind race)
     for c in children:
-        with pytest.raises(OSError):
-            reserve_port("127.0.0.1", c.port)
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", c.port))
         c.listener.close()
     engine = children[1].argv
     assert engine[engine.index("--proxy-url") + 1] == f"http://127.0.0.1:{proxy_port}"

@@ -281,7 +281,7 @@ class Child:
 
 def _rebind(port: int) -> socket.socket:
     try:
-        return reserve_port(HOST, port, reuse=True)
+        return reserve_port(HOST, port)
     except OSError:
         return reserve_port(HOST)
 
@@ -655,10 +655,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _reserve_proxy_port(port: int) -> socket.socket:
-    """The port asked for (rebound over a previous run's TIME_WAIT, as uvicorn would) or,
-    for 0, a fresh one held exclusively."""
     try:
-        return reserve_port(HOST, port, reuse=port != 0)
+        return reserve_port(HOST, port)
     except OSError:
         raise UpError(
             f"port {port} on {HOST} is in use; pick another with --port (0: any free port)"

@@ -13,15 +13,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def reserve_port(host: str, port: int = 0, *, reuse: bool = False) -> socket.socket:
+def reserve_port(host: str, port: int = 0) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: any free port), not yet listening, for a child
     to serve on (``--listen-fd``). Unlike ``free_port`` the port is held from the moment it is
-    picked: no other process can bind it before the child serves. ``reuse`` (SO_REUSEADDR,
-    as uvicorn binds) rebinds a port a dead server left in TIME_WAIT, but then does not hold
-    it against other SO_REUSEADDR binders until it listens. Raises OSError when in use."""
+    picked: no ephemeral pick (another ``bind(host, 0)`` or an outgoing connection) can take
+    it before the child serves. SO_REUSEADDR, as uvicorn binds: the connections it accepts
+    inherit it, so a restart can bind the port again over their TIME_WAIT.
+    Raises OSError when the port is in use."""
     s = socket.socket()
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
     except OSError:
         s.close()

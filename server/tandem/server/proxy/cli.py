@@ -131,7 +131,7 @@ def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _namespace(given: str | None) -> str:
+def namespace_of(given: str | None) -> str:
     if given:
         return given
     try:
@@ -195,7 +195,7 @@ def _settings(
         stall_timeout=max(0.5, args.stall_timeout),
     )
     discovery = (
-        kubernetes_discovery(_namespace(args.namespace), args.selector)
+        kubernetes_discovery(namespace_of(args.namespace), args.selector)
         if args.discovery == "kubernetes"
         else None
     )

@@ -94,6 +94,7 @@ class Node:
     active: int = 0  # the engine's reported running requests
     free_blocks: int | None = None
     total_blocks: int | None = None
+    kv_usage: float | None = None  # the engine's vllm:kv_cache_usage_perc (the picker scrapes it)
     added_at: float = 0.0
     last_error: str | None = None
     last_status: str | None = None

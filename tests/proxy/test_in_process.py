@@ -9,7 +9,6 @@ from tandem.server.api.announce import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
-from tandem.server.proxy.pd_flow import prefill_request
 from tandem.server.proxy.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -18,6 +17,7 @@ from tandem.server.proxy.registry import (
 )
 from tandem.server.proxy.state import ProxySettings
 from tandem.server.wire.auth import Credentials
+from tandem.server.wire.prefill_step import prefill_request
 from tandem.server.wire.roles import parse_role
 
 from ..utils import call_app

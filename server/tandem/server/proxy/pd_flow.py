@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -55,6 +54,7 @@ from fastapi.responses import Response
 
 from tandem.server.wire.edge import request_id_header
 from tandem.server.wire.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.wire.prefill_step import prefill_request
 from tandem.server.wire.sse import (
     SSE_HEADERS,
     DisconnectAwareStreamingResponse,
@@ -842,14 +842,3 @@ async def watch_progress(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-
-
-def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill step's body: the client's request, one token, not streamed, KV kept for a decode."""
-    out = copy.deepcopy(body)
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("max_completion_tokens", None)
-    out["max_tokens"] = 1
-    out["kv_transfer_params"] = {"do_remote_decode": True}
-    return out

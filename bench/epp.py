@@ -1,0 +1,108 @@
+"""The endpoint picker's added latency: the same requests through a real Envoy configured as a
+GIE gateway (``ext_proc`` full duplex to ``tandem epp``, ``ORIGINAL_DST`` by the picked
+endpoint) and through the same Envoy with a static route to the same engine, in one run.
+
+One tiny-model engine serves both gateways; requests alternate between them, sequentially,
+each over a kept-alive connection, so drift on this shared machine hits both sides alike.
+Two request kinds: ``POST /tokenize`` (the engine's own time is a fraction of a millisecond,
+so the gateway's share shows) and ``POST /v1/completions`` with one output token. Prints each
+side's p50/p99 and the picker's added latency (the difference; goal <= 1 ms at p50).
+
+    python bench/epp.py [--requests 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.gateway.utils import (  # noqa: E402
+    EnvoyProcess,
+    PickerProcess,
+    gie_gateway,
+    static_gateway,
+)
+from tests.utils import ENGINE_FLAGS, ServerProcess, make_model  # noqa: E402
+
+KINDS = {
+    "tokenize": ("/tokenize", {"model": "tiny", "prompt": "The picker chooses an engine " * 8}),
+    "completion": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "The picker chooses an engine " * 8, "max_tokens": 1},
+    ),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(gateways: dict[str, str], path: str, body: dict, n: int) -> dict[str, list[float]]:
+    """Milliseconds per request on each gateway, alternating which goes first."""
+    clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in gateways.items()}
+    times: dict[str, list[float]] = {name: [] for name in gateways}
+    names = list(gateways)
+    for name in names:  # warm each connection and the engine
+        for _ in range(10):
+            clients[name].post(path, json=body).raise_for_status()
+    for i in range(n):
+        for name in names if i % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            clients[name].post(path, json=body).raise_for_status()
+            times[name].append((time.perf_counter() - start) * 1000)
+    for c in clients.values():
+        c.close()
+    return times
+
+
+def report(kind: str, times: dict[str, list[float]]) -> None:
+    gie, static = times["gie"], times["static"]
+    for name, values in times.items():
+        print(
+            f"{kind:10s} {name:7s} p50 {percentile(values, 0.5):7.3f} ms   "
+            f"p99 {percentile(values, 0.99):7.3f} ms   (n={len(values)})"
+        )
+    pairs = [g - s for g, s in zip(gie, static)]
+    print(
+        f"{kind:10s} picker adds p50 {percentile(gie, 0.5) - percentile(static, 0.5):+.3f} ms, "
+        f"p99 {percentile(gie, 0.99) - percentile(static, 0.99):+.3f} ms; median of paired "
+        f"differences {statistics.median(pairs):+.3f} ms; ratio of p50s "
+        f"{percentile(gie, 0.5) / percentile(static, 0.5):.2f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=400)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-epp-"))
+    engine = ServerProcess(make_model(work / "models"), *ENGINE_FLAGS, log_path=work / "e.log")
+    started: list = [engine]
+    try:
+        engine.wait_ready()
+        picker = PickerProcess("--node", engine.url, log_path=work / "epp.log")
+        started.append(picker)
+        picker.wait_ready()
+        gie = EnvoyProcess(gie_gateway, work, picker.port)
+        static = EnvoyProcess(static_gateway, work, engine.port)
+        started += [gie, static]
+        gie.wait_ready()
+        static.wait_ready()
+        for kind, (path, body) in KINDS.items():
+            report(kind, measure({"gie": gie.url, "static": static.url}, path, body, args.requests))
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from .spec.roles import RoleSpec
 
 ENGINE_PORT = 8000
 PROXY_PORT = 8000
+PICKER_PORT = 9002  # the endpoint picker's gRPC port (GIE's default)
 MODEL_CACHE_MOUNT = "/models/cache"
 MODEL_PVC_MOUNT = "/models/pvc"
 ENGINE_SELECTOR_LABEL = "tandem.dev/inferenceservice"
@@ -83,6 +84,8 @@ class Topology:
     roles: list[RolePlan] = field(default_factory=list)
     kv_layout: str = ""
     """Hash of the settings that decide the KV cache's layout (see :func:`kv_layout`)."""
+    router: Literal["proxy", "gateway"] = "proxy"
+    """The front door: Tandem's proxy, or a GIE gateway asking the endpoint picker."""
 
     def role(self, role: RoleName) -> RolePlan | None:
         return next((r for r in self.roles if r.role == role), None)
@@ -179,7 +182,10 @@ def plan(
     else:
         roles.append(engine_role(isvc, "both", "engine", spec.decode, model_path))
     selector = engine_selector(name)
-    roles.append(proxy_role(isvc, selector, discovery))
+    # A local run (static discovery) has no gateway: its front door is always the proxy.
+    router = spec.router if discovery == "kubernetes" else "proxy"
+    front = picker_role(isvc, selector) if router == "gateway" else None
+    roles.append(front or proxy_role(isvc, selector, discovery))
     return Topology(
         name=name,
         namespace=namespace,
@@ -189,6 +195,7 @@ def plan(
         engine_selector=selector,
         roles=roles,
         kv_layout=kv_layout(isvc),
+        router=router,
     )
 
 
@@ -252,4 +259,32 @@ def proxy_role(
         gpus=0,
         env={},
         port=PROXY_PORT,
+    )
+
+
+def picker_role(isvc: InferenceService, selector: str) -> RolePlan:
+    """The front door behind a GIE gateway: ``tandem epp`` finding the engines by
+    ``selector``, as the proxy would (role ``proxy``: it is the pool's front door, and its
+    readiness is the InferenceService's ``ProxyReady``)."""
+    proxy = isvc.spec.proxy
+    args = [
+        "epp",
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        isvc.metadata.namespace,
+        "--selector",
+        selector,
+    ]
+    if proxy.routing_policy:
+        args += ["--routing-policy", proxy.routing_policy]
+    args += proxy.extra_args
+    return RolePlan(
+        role="proxy",
+        name="epp",
+        replicas=proxy.replicas,
+        args=args,
+        gpus=0,
+        env={},
+        port=PICKER_PORT,
     )

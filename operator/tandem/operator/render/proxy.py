@@ -18,7 +18,7 @@ from .pods import (
     pod_security,
     scrape_annotations,
 )
-from .security import internal_credential_env
+from .security import client_key_env, internal_credential_env
 
 
 def proxy_objects(
@@ -39,20 +39,12 @@ def proxy_container(
     """``tandem proxy``; its keys reach it through the environment, never its argv."""
     proxy = isvc.spec.proxy
     args = [*role.args, "--host", "0.0.0.0", "--port", str(role.port)]
-    env: list[dict[str, Any]] = [*env_vars(role.env), internal_credential_env(topology)]
-    if proxy.api_key_secret:
-        # read from the environment by the proxy: never an argument, which ps would show
-        env.append(
-            {
-                "name": "TANDEM_PROXY_API_KEY",
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": proxy.api_key_secret.name,
-                        "key": proxy.api_key_secret.key,
-                    }
-                },
-            }
-        )
+    # keys are read from the environment: never an argument, which ps would show
+    env: list[dict[str, Any]] = [
+        *env_vars(role.env),
+        internal_credential_env(topology),
+        *client_key_env(isvc, "TANDEM_PROXY_API_KEY"),
+    ]
     container: dict[str, Any] = {
         "name": "proxy",
         "image": isvc.spec.engine.image or options.image,

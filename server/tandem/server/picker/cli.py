@@ -33,7 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="pods' namespace (default: this pod's)")
     parser.add_argument("--selector", default="tandem.dev/role", help="engine pods' selector")
     parser.add_argument("--disagg-threshold", type=int, default=32)
-    parser.add_argument("--policy", choices=POLICIES, default="score")
+    parser.add_argument(
+        "--policy",
+        "--routing-policy",
+        dest="policy",
+        choices=POLICIES,
+        default="score",
+        help="score: prefix affinity minus load; least_load; round_robin",
+    )
     parser.add_argument(
         "--shed-queue",
         type=int,

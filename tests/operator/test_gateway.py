@@ -31,6 +31,7 @@ def test_gateway_renders_a_pool_its_picker_and_no_proxy() -> None:
         },
         "targetPorts": [{"number": 8000}],
         "endpointPickerRef": {
+            "group": "",
             "kind": "Service",
             "name": "svc-epp",
             "port": {"number": 9002},

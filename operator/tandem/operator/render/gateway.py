@@ -59,6 +59,7 @@ def inference_pool(isvc: InferenceService, topology: Topology, role: RolePlan) -
             },
             "targetPorts": [{"number": ENGINE_PORT}],
             "endpointPickerRef": {
+                "group": "",  # the core API group: a Service (the schema's default)
                 "kind": "Service",
                 "name": pool_name(topology, role),
                 "port": {"number": role.port},

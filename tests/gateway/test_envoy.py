@@ -13,9 +13,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.server.net import free_port
+
 from ..proxy.utils import kill, metric_value, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until
-from .utils import EnvoyProcess, PickerProcess, gie_gateway
+from .utils import start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -36,27 +38,16 @@ def gateway(llama_dir, tmp_path_factory: pytest.TempPathFactory):
         for e in engines:
             e.wait_ready()
         nodes = [a for e in engines for a in ("--node", e.url)]
-        picker = PickerProcess(
-            *nodes,
-            "--health-interval",
-            "0.3",
-            "--metrics-interval",
-            "0.2",
-            log_path=logs / "epp.log",
-        )
-        started.append(picker)
-        picker.wait_ready()
-        envoy = EnvoyProcess(gie_gateway, logs, picker.port)
-        started.append(envoy)
-        envoy.wait_ready()
-        yield envoy, picker, engines
+        flags = ["--health-interval", "0.3", "--metrics-interval", "0.2"]
+        envoy = start_gateway(started, logs, *nodes, *flags)
+        yield envoy, engines
     finally:
         stop_all(started[::-1])
 
 
 @pytest.fixture(scope="module")
 def client(gateway) -> openai.OpenAI:
-    envoy, _, _ = gateway
+    envoy, _ = gateway
     return openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
@@ -74,7 +65,7 @@ def _delta(before: list[float], after: list[float]) -> list[int]:
 
 def test_the_engines_speak_the_model_server_protocol(gateway) -> None:
     """GIE proposal 003: the gauges a picker reads, with exactly these names and types."""
-    _, _, engines = gateway
+    _, engines = gateway
     families = {
         f.name: f
         for f in text_string_to_metric_families(httpx.get(engines[0].url + "/metrics").text)
@@ -92,7 +83,7 @@ def test_the_engines_speak_the_model_server_protocol(gateway) -> None:
 
 
 def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:
-    _, _, engines = gateway
+    _, engines = gateway
     direct = openai.OpenAI(base_url=engines[0].url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Name a prime number."}]
     want = direct.chat.completions.create(
@@ -121,7 +112,7 @@ def test_an_unknown_model_is_a_404_in_openais_shape(client) -> None:
 
 
 def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> None:
-    _, _, engines = gateway
+    _, engines = gateway
     before = _served(engines)
     for i in range(6):
         client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}:", max_tokens=4)
@@ -132,7 +123,7 @@ def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> N
 def test_load_spreads_when_queues_grow(gateway, client) -> None:
     """Twelve requests at once on one prefix: affinity is worth about four queued requests,
     so the first engine's queue sends the rest elsewhere."""
-    _, _, engines = gateway
+    _, engines = gateway
     before = _served(engines)
 
     def one(i: int) -> None:
@@ -152,7 +143,7 @@ def test_load_spreads_when_queues_grow(gateway, client) -> None:
 
 
 def test_an_engine_killed_mid_run_is_routed_around_within_seconds(gateway, client) -> None:
-    _, _, engines = gateway
+    _, engines = gateway
     before = _served(engines)
     client.completions.create(model=MODEL, prompt=PREFIX + "Before:", max_tokens=2)
     victim = engines[_delta(before, _served(engines)).index(1)]  # the prefix's engine
@@ -178,20 +169,10 @@ def test_an_engine_killed_mid_run_is_routed_around_within_seconds(gateway, clien
 
 def test_with_no_engine_ready_the_client_gets_a_503(tmp_path) -> None:
     """The picker knows only an engine that does not answer: Envoy returns its 503."""
-    from tandem.server.net import free_port
-
-    picker = PickerProcess(
-        "--node",
-        f"http://127.0.0.1:{free_port()}",
-        "--health-interval",
-        "0.3",
-        log_path=tmp_path / "epp.log",
-    )
-    envoy = None
+    started: list = []
     try:
-        picker.wait_ready()
-        envoy = EnvoyProcess(gie_gateway, tmp_path, picker.port)
-        envoy.wait_ready()
+        dead = f"http://127.0.0.1:{free_port()}"
+        envoy = start_gateway(started, tmp_path, "--node", dead, "--health-interval", "0.3")
         c = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as err:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
@@ -199,4 +180,4 @@ def test_with_no_engine_ready_the_client_gets_a_503(tmp_path) -> None:
         assert err.value.body["code"] == "no_engine_available"
         assert err.value.response.headers["retry-after"] == "15"
     finally:
-        stop_all([p for p in (envoy, picker) if p is not None])
+        stop_all(started[::-1])

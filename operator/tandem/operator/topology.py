@@ -237,8 +237,28 @@ def proxy_role(
     isvc: InferenceService, selector: str, discovery: Literal["kubernetes", "static"]
 ) -> RolePlan:
     """The proxy pool: ``tandem proxy`` finding the engines by ``selector`` in a cluster."""
+    return _front_door(isvc, "proxy", "proxy", PROXY_PORT, selector, discovery)
+
+
+def picker_role(isvc: InferenceService, selector: str) -> RolePlan:
+    """The front door behind a GIE gateway: ``tandem epp`` finding the engines by
+    ``selector``, as the proxy would (role ``proxy``: it is the pool's front door, and its
+    readiness is the InferenceService's ``ProxyReady``)."""
+    return _front_door(isvc, "epp", "epp", PICKER_PORT, selector, "kubernetes")
+
+
+def _front_door(
+    isvc: InferenceService,
+    program: str,
+    name: str,
+    port: int,
+    selector: str,
+    discovery: Literal["kubernetes", "static"],
+) -> RolePlan:
+    """A front door's pool (``spec.proxy``'s replicas, policy and extra flags): ``tandem
+    <program>`` discovering the engines by ``selector`` in a cluster."""
     proxy = isvc.spec.proxy
-    args = ["proxy"]
+    args = [program]
     if discovery == "kubernetes":
         args += [
             "--discovery",
@@ -253,38 +273,10 @@ def proxy_role(
     args += proxy.extra_args
     return RolePlan(
         role="proxy",
-        name="proxy",
+        name=name,
         replicas=proxy.replicas,
         args=args,
         gpus=0,
         env={},
-        port=PROXY_PORT,
-    )
-
-
-def picker_role(isvc: InferenceService, selector: str) -> RolePlan:
-    """The front door behind a GIE gateway: ``tandem epp`` finding the engines by
-    ``selector``, as the proxy would (role ``proxy``: it is the pool's front door, and its
-    readiness is the InferenceService's ``ProxyReady``)."""
-    proxy = isvc.spec.proxy
-    args = [
-        "epp",
-        "--discovery",
-        "kubernetes",
-        "--namespace",
-        isvc.metadata.namespace,
-        "--selector",
-        selector,
-    ]
-    if proxy.routing_policy:
-        args += ["--routing-policy", proxy.routing_policy]
-    args += proxy.extra_args
-    return RolePlan(
-        role="proxy",
-        name="epp",
-        replicas=proxy.replicas,
-        args=args,
-        gpus=0,
-        env={},
-        port=PICKER_PORT,
+        port=port,
     )

@@ -13,16 +13,15 @@ from typing import Any
 
 from ..spec.inference_service import InferenceService
 from ..topology import COMPONENT_LABEL, ENGINE_PORT, ENGINE_SELECTOR_LABEL, RolePlan, Topology
-from .meta import Manifest, labels, object_meta, pool_name, selector_labels
+from .meta import Manifest, object_meta, pool_name, selector_labels
 from .options import RenderOptions
 from .pods import (
     container_resources,
     container_security,
     env_vars,
     pod_disruption_budget,
-    pod_security,
 )
-from .proxy import proxy_rbac
+from .proxy import front_door_deployment, proxy_rbac
 from .security import internal_credential_env
 
 POOL_API_VERSION = "inference.networking.k8s.io/v1"
@@ -133,25 +132,9 @@ def picker_container(
 def picker_deployment(
     isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
 ) -> Manifest:
-    name = pool_name(topology, role)
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": object_meta(isvc, topology, name, "proxy", role.role),
-        "spec": {
-            "replicas": role.replicas,
-            "selector": {"matchLabels": selector_labels(topology, role.role)},
-            "template": {
-                "metadata": {"labels": labels(topology, "proxy", role.role)},
-                "spec": {
-                    "serviceAccountName": name,
-                    "containers": [picker_container(isvc, topology, role, options)],
-                    "securityContext": pod_security(),
-                    "enableServiceLinks": False,
-                },
-            },
-        },
-    }
+    return front_door_deployment(
+        isvc, topology, role, picker_container(isvc, topology, role, options)
+    )
 
 
 def picker_service(isvc: InferenceService, topology: Topology, role: RolePlan) -> Manifest:

@@ -67,22 +67,35 @@ def proxy_container(
 def proxy_deployment(
     isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
 ) -> Manifest:
+    container = proxy_container(isvc, topology, role, options)
+    return front_door_deployment(isvc, topology, role, container, scrape_annotations(role.port))
+
+
+def front_door_deployment(
+    isvc: InferenceService,
+    topology: Topology,
+    role: RolePlan,
+    container: dict[str, Any],
+    annotations: dict[str, str] | None = None,
+) -> Manifest:
+    """A front door's Deployment (the proxy's, or behind a gateway the picker's), running
+    under its own ServiceAccount (its discovery's RBAC)."""
     name = pool_name(topology, role)
+    template_meta: dict[str, Any] = {"labels": labels(topology, "proxy", role.role)}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+        "metadata": object_meta(isvc, topology, name, "proxy", role.role),
         "spec": {
             "replicas": role.replicas,
-            "selector": {"matchLabels": selector_labels(topology, "proxy")},
+            "selector": {"matchLabels": selector_labels(topology, role.role)},
             "template": {
-                "metadata": {
-                    "labels": labels(topology, "proxy", "proxy"),
-                    "annotations": scrape_annotations(role.port),
-                },
+                "metadata": template_meta,
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [proxy_container(isvc, topology, role, options)],
+                    "containers": [container],
                     "securityContext": pod_security(),
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": isvc.spec.engine.shutdown_timeout_seconds

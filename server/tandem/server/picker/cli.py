@@ -10,7 +10,11 @@ import contextlib
 import logging
 import os
 
-from tandem.server.proxy.routing import POLICIES
+from tandem.server.proxy.cli import (
+    add_discovery_arguments,
+    add_routing_arguments,
+    discovery_from_args,
+)
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 
 from .choice import PickerConfig
@@ -22,25 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=9002, help="the gRPC port (GIE's default)")
     add_credential_arguments(parser, "TANDEM_EPP_API_KEY")
     parser.set_defaults(api_key=None)  # the gateway authenticates clients; the picker has none
-    parser.add_argument(
-        "--node",
-        action="append",
-        default=[],
-        metavar="URL[=ROLE]",
-        help="a static engine (repeatable); ROLE is both (default), prefill or decode",
-    )
-    parser.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
-    parser.add_argument("--namespace", default=None, help="pods' namespace (default: this pod's)")
-    parser.add_argument("--selector", default="tandem.dev/role", help="engine pods' selector")
-    parser.add_argument("--disagg-threshold", type=int, default=32)
-    parser.add_argument(
-        "--policy",
-        "--routing-policy",
-        dest="policy",
-        choices=POLICIES,
-        default="score",
-        help="score: prefix affinity minus load; least_load; round_robin",
-    )
+    add_discovery_arguments(parser)
+    add_routing_arguments(parser)
     parser.add_argument(
         "--shed-queue",
         type=int,
@@ -58,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> PickerSettings:
     """The picker's settings; the internal credential from the environment or a file."""
-    from tandem.server.proxy.cli import namespace_of
-    from tandem.server.proxy.discovery import kubernetes_discovery, parse_node_flag
+    from tandem.server.proxy.discovery import parse_node_flag
 
     credentials = credentials_from_args(args, os.environ, "TANDEM_EPP_API_KEY")
     config = PickerConfig(
@@ -68,17 +54,12 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         shed_queue=args.shed_queue,
         internal_key=credentials.internal_key,
     )
-    discovery = (
-        kubernetes_discovery(namespace_of(args.namespace), args.selector)
-        if args.discovery == "kubernetes"
-        else None
-    )
     return PickerSettings(
         config=config,
         static_nodes=tuple(parse_node_flag(v) for v in args.node),
         health_interval=args.health_interval,
         metrics_interval=args.metrics_interval,
-        discovery=discovery,
+        discovery=discovery_from_args(args),
     )
 
 

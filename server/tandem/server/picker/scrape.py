@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.server.proxy.registry import Registry
+from tandem.server.proxy.registry import Registry, every
 
 log = logging.getLogger("tandem.picker")
 
@@ -94,9 +94,4 @@ class MetricsScraper:
 
     async def run(self) -> None:
         """Scrape until cancelled."""
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # noqa: BLE001 - one bad answer must not stop the scraper
-                log.exception("metrics scrape failed")
-            await asyncio.sleep(self.interval)
+        await every(self.interval, self.scrape_once, "metrics scrape")

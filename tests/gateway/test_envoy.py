@@ -6,6 +6,7 @@ the official ``openai`` client."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 
 import httpx
@@ -17,7 +18,7 @@ from tandem.server.net import free_port
 
 from ..proxy.utils import kill, metric_value, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until
-from .utils import start_gateway
+from .utils import gie_gateway, start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -140,6 +141,25 @@ def test_load_spreads_when_queues_grow(gateway, client) -> None:
     assert sum(counts) == 12
     assert sum(1 for c in counts if c) >= 2, counts
     assert max(counts) <= 9, counts
+
+
+def test_the_gateways_subset_hint_through_envoy(gateway, tmp_path) -> None:
+    """A gateway that allows one engine (filter metadata ``envoy.lb.subset_hint``): every
+    request lands there, whatever its prefix."""
+    _, engines = gateway
+    allowed = engines[2].url.removeprefix("http://")
+    hinted = functools.partial(gie_gateway, subset=[allowed])
+    nodes = [a for e in engines for a in ("--node", e.url)]
+    started: list = []
+    try:
+        envoy = start_gateway(started, tmp_path, *nodes, "--health-interval", "0.3", config=hinted)
+        c = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0)
+        before = _served(engines)
+        for i in range(4):
+            c.completions.create(model=MODEL, prompt=f"{i} " + PREFIX, max_tokens=2)
+        assert _delta(before, _served(engines)) == [0, 0, 4]
+    finally:
+        stop_all(started[::-1])
 
 
 def test_an_engine_killed_mid_run_is_routed_around_within_seconds(gateway, client) -> None:

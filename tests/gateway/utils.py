@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from tandem.server.net import free_port
 from ..utils import ChildProcess, wait_until
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 INTERNAL_KEY = "sk-internal-gateway"
 
 
@@ -87,6 +90,8 @@ def _ext_proc(cluster: str) -> dict[str, Any]:
             "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "10s"},
             "failure_mode_allow": False,
             "message_timeout": "10s",
+            # the gateway's subset hint reaches the picker as filter metadata
+            "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}},
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -119,8 +124,24 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]
     return cluster
 
 
-def gie_gateway(port: int, picker_port: int, admin_port: int) -> dict[str, Any]:
-    """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``."""
+def _subset_hint(endpoints: list[str]) -> dict[str, Any]:
+    """What a gateway that subsets the pool sets before ext_proc: the endpoints allowed."""
+    return {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {"metadata_namespace": SUBSET_NAMESPACE, "value": {SUBSET_KEY: endpoints}}
+            ],
+        },
+    }
+
+
+def gie_gateway(
+    port: int, picker_port: int, admin_port: int, subset: list[str] | None = None
+) -> dict[str, Any]:
+    """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``; ``subset``: the
+    gateway hints that only these ``ip:port`` endpoints may serve."""
     pool = {
         "name": "pool",
         "type": "ORIGINAL_DST",
@@ -131,7 +152,11 @@ def gie_gateway(port: int, picker_port: int, admin_port: int) -> dict[str, Any]:
     return {
         "admin": {"address": _address(admin_port)},
         "static_resources": {
-            "listeners": [_listener(port, "pool", [_ext_proc("epp")])],
+            "listeners": [
+                _listener(
+                    port, "pool", [*([_subset_hint(subset)] if subset else []), _ext_proc("epp")]
+                )
+            ],
             "clusters": [pool, _static_cluster("epp", picker_port, http2=True)],
         },
     }
@@ -213,14 +238,19 @@ class PickerProcess(ChildProcess):
 
 
 def start_gateway(
-    started: list[Any], logs: Path, *picker_args: str, internal_key: str | None = None
+    started: list[Any],
+    logs: Path,
+    *picker_args: str,
+    internal_key: str | None = None,
+    config: Callable[..., dict[str, Any]] = gie_gateway,
 ) -> EnvoyProcess:
-    """``tandem epp`` with ``picker_args`` and a GIE-configured Envoy in front of it, both
-    ready; each is appended to ``started`` as soon as it runs (the caller stops them)."""
+    """``tandem epp`` with ``picker_args`` and an Envoy configured by ``config`` in front of
+    it, both ready; each is appended to ``started`` as soon as it runs (the caller stops
+    them)."""
     picker = PickerProcess(*picker_args, log_path=logs / "epp.log", internal_key=internal_key)
     started.append(picker)
     picker.wait_ready()
-    envoy = EnvoyProcess(gie_gateway, logs, picker.port)
+    envoy = EnvoyProcess(config, logs, picker.port)
     started.append(envoy)
     envoy.wait_ready()
     return envoy

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.server.net import free_port
+from tandem.server.picker.scrape import parse_metrics
 
 from ..proxy.utils import kill, metric_value, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until
@@ -81,6 +82,10 @@ def test_the_engines_speak_the_model_server_protocol(gateway) -> None:
     (info,) = families["vllm:cache_config_info"].samples
     assert families["vllm:cache_config_info"].type == "gauge"
     assert info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
+    # and the picker reads them so
+    read = parse_metrics(httpx.get(engines[0].url + "/metrics").text)
+    assert (read.waiting, read.running, read.block_size) == (0, 0, 16)
+    assert read.num_blocks == int(info.labels["num_gpu_blocks"]) and 0.0 <= read.kv_usage <= 1.0
 
 
 def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:

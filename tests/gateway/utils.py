@@ -80,9 +80,10 @@ def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[
     }
 
 
-def _ext_proc(cluster: str) -> dict[str, Any]:
+def _ext_proc(cluster: str, response_headers: bool = True) -> dict[str, Any]:
     """GIE's filter: request headers and body (full duplex) to the picker, response headers
-    too (the picker learns how its engine answered); response bodies pass untouched."""
+    too (the picker learns how its engine answered; ``response_headers`` False skips that
+    round trip); response bodies pass untouched."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -96,7 +97,7 @@ def _ext_proc(cluster: str) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND",
+                "response_header_mode": "SEND" if response_headers else "SKIP",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
             },
@@ -138,7 +139,11 @@ def _subset_hint(endpoints: list[str]) -> dict[str, Any]:
 
 
 def gie_gateway(
-    port: int, picker_port: int, admin_port: int, subset: list[str] | None = None
+    port: int,
+    picker_port: int,
+    admin_port: int,
+    subset: list[str] | None = None,
+    response_headers: bool = True,
 ) -> dict[str, Any]:
     """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``; ``subset``: the
     gateway hints that only these ``ip:port`` endpoints may serve."""
@@ -154,7 +159,12 @@ def gie_gateway(
         "static_resources": {
             "listeners": [
                 _listener(
-                    port, "pool", [*([_subset_hint(subset)] if subset else []), _ext_proc("epp")]
+                    port,
+                    "pool",
+                    [
+                        *([_subset_hint(subset)] if subset else []),
+                        _ext_proc("epp", response_headers),
+                    ],
                 )
             ],
             "clusters": [pool, _static_cluster("epp", picker_port, http2=True)],

@@ -147,6 +147,21 @@ def test_pd_names_the_prefill_engine_signed_with_the_internal_credential() -> No
     assert PREFILLER_HEADER not in _set(headers)
 
 
+def test_a_session_stays_on_the_engine_holding_it_for_its_caller() -> None:
+    """A turn may send only its new message: no prefix to follow, the session table holds it."""
+    picker = Picker(_registry(), PickerConfig())
+    first = {"model": "tiny", "prompt": "Opening turn " * 20, "session_id": "s1"}
+    (headers, _) = _run(picker, _messages(first, extra={"authorization": "Bearer k1"}))
+    held = _set(headers)["x-gateway-destination-endpoint"]
+    for node in picker.registry.nodes():  # make the holder the busiest: it still gets the turn
+        node.pending = 9 if node.url.endswith(held) else 0
+    turn = {"model": "tiny", "prompt": "next", "session_id": "s1"}
+    (headers, _) = _run(picker, _messages(turn, extra={"authorization": "Bearer k1"}))
+    assert _set(headers)["x-gateway-destination-endpoint"] == held
+    (headers, _) = _run(picker, _messages(turn, extra={"authorization": "Bearer k2"}))
+    assert _set(headers)["x-gateway-destination-endpoint"] != held  # another key's session
+
+
 def test_full_queues_are_shed_with_a_429() -> None:
     registry = _registry()
     for node in registry.nodes():

@@ -9,11 +9,13 @@ internal credential), which then drives the prefill itself (``docs/gateway.md``)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.server.proxy import routing
 from tandem.server.proxy.pd_flow import PATHS, RETRY_AFTER_SECONDS
@@ -68,7 +70,16 @@ def engine_load(node: Node) -> int:
     return node.inflight + node.pending + node.active
 
 
-def parse_body(body: bytes) -> dict:
+def session_of(request: dict[str, Any], caller: str) -> str | None:
+    """The request's session, scoped to its caller as the engine scopes it (another key naming
+    the same id is another session); the key itself is kept only as a digest."""
+    value = request.get("session_id")
+    if value in (None, "", -1) or not isinstance(value, str | int):
+        return None
+    return hashlib.sha256(caller.encode()).hexdigest()[:16] + ":" + str(value)
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
     """The request's JSON object, or {} (a bodiless request, or one the engine will refuse
     in its own words: the picker routes it and the engine answers the 400)."""
     try:
@@ -88,13 +99,17 @@ class Picker:
         self.registry = registry
         self.config = config
         self.prefix = routing.PrefixIndex()
+        self.sessions = routing.SessionTable()
         self._turn = routing.round_robin_counter()
         self._clock = clock
         # Probe these engines now (the server wires the health poller's ``reprobe``).
         self.suspect: Callable[[list[str]], None] = lambda urls: None
-        registry.on_remove(lambda n: self.prefix.forget(n.url))
+        registry.on_remove(lambda n: (self.prefix.forget(n.url), self.sessions.forget_node(n.url)))
 
-    def choose(self, path: str, body: bytes, subset: frozenset[str] | None) -> Route | Refusal:
+    def choose(
+        self, path: str, body: bytes, subset: frozenset[str] | None, caller: str = ""
+    ) -> Route | Refusal:
+        """Where this request goes; ``caller`` (its ``Authorization``) scopes its session."""
         kind = KINDS.get(path.partition("?")[0], "other")
         request = parse_body(body)
         model = request.get("model") if isinstance(request.get("model"), str) else None
@@ -106,6 +121,11 @@ class Picker:
             return Refusal(
                 429, "every engine's queue is full; retry shortly", "engine_overloaded", 1
             )
+        session = session_of(request, caller)
+        held = next((n for n in decoders if n.url == self.sessions.get(session or "")), None)
+        if held is not None:  # the engine holding the session's conversation and blocks
+            held.inflight += 1
+            return Route(held, endpoint_of(held.url))
         text = routing.prompt_text(kind, request)
         chunks = routing.chunk_hashes(text, self.prefix.chunk_chars)
         prompt_tokens = routing.estimate_tokens(kind, request, text)
@@ -117,12 +137,14 @@ class Picker:
             policy=self.config.policy,
             turn=next(self._turn),
             disagg_threshold=self.config.disagg_threshold,
-            why_not=routing.disaggregatable(kind, request),
+            why_not="session" if session else routing.disaggregatable(kind, request),
         )
         assert plan is not None
         node = next(n for n in decoders if n.url == plan.decode.url)
         node.inflight += 1
         self.prefix.record(node.url, chunks)
+        if session:
+            self.sessions.set(session, node.url)
         prefiller = None
         if plan.prefill is not None:
             self.prefix.record(plan.prefill.url, chunks)

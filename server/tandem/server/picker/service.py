@@ -49,6 +49,7 @@ class _Exchange:
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
         self.path = "/"
+        self.caller = ""
         self.subset: frozenset[str] | None = None
         self.body = bytearray()
         self.route: Route | None = None
@@ -57,7 +58,9 @@ class _Exchange:
     def on(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         which = message.WhichOneof("request")
         if which == "request_headers":
-            self.path = protocol.header_map(message.request_headers).get(":path", "/")
+            headers = protocol.header_map(message.request_headers)
+            self.path = headers.get(":path", "/")
+            self.caller = headers.get("authorization", headers.get("x-api-key", ""))
             self.subset = protocol.subset_hint(message)
             if message.request_headers.end_of_stream:
                 return self._decide(None)
@@ -78,7 +81,7 @@ class _Exchange:
         return []
 
     def _decide(self, body_length: int | None) -> list[ext_proc.ProcessingResponse]:
-        outcome = self.picker.choose(self.path, bytes(self.body), self.subset)
+        outcome = self.picker.choose(self.path, bytes(self.body), self.subset, self.caller)
         if isinstance(outcome, Refusal):
             self.refused = True
             log.info("refused %s: %d %s", self.path, outcome.status, outcome.code)

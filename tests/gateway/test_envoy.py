@@ -204,5 +204,9 @@ def test_with_no_engine_ready_the_client_gets_a_503(tmp_path) -> None:
         assert err.value.status_code == 503
         assert err.value.body["code"] == "no_engine_available"
         assert err.value.response.headers["retry-after"] == "15"
+        picker = started[0]
+        picker.proc.terminate()  # SIGTERM: a graceful stop
+        assert picker.proc.wait(30) == 0
+        assert "endpoint picker stopped" in picker.log_path.read_text()
     finally:
         stop_all(started[::-1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 
@@ -75,6 +74,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tandem.picker").error("bad arguments: %s", exc)
         return 2
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings, f"{args.host}:{args.port}"))
+    asyncio.run(serve(settings, f"{args.host}:{args.port}"))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -84,7 +85,12 @@ async def running_picker(settings: PickerSettings, address: str) -> AsyncIterato
 
 
 async def serve(settings: PickerSettings, address: str) -> None:
-    """Run until cancelled (SIGTERM / Ctrl-C end ``asyncio.run``)."""
+    """Run until SIGTERM or SIGINT, then stop gracefully: health NOT_SERVING first (the
+    gateway stops asking), open exchanges given a moment to finish."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     async with running_picker(settings, address) as port:
         log.info(
             "endpoint picker on %s (port %d), %d static node(s)",
@@ -92,4 +98,5 @@ async def serve(settings: PickerSettings, address: str) -> None:
             port,
             len(settings.static_nodes),
         )
-        await asyncio.Event().wait()
+        await stop.wait()
+    log.info("endpoint picker stopped")

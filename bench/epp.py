@@ -2,8 +2,12 @@
 GIE gateway (``ext_proc`` full duplex to ``tandem epp``, ``ORIGINAL_DST`` by the picked
 endpoint) and through the same Envoy with a static route to the same engine, in one run.
 
-One tiny-model engine serves both gateways; requests alternate between them, sequentially,
-each over a kept-alive connection, so drift on this shared machine hits both sides alike.
+One tiny-model engine serves every gateway; requests rotate between them, sequentially,
+each over a kept-alive connection, so drift on this shared machine hits every side alike.
+Besides the picker (``gie``) and the static route (``static``), two references: ``gie-skip``,
+the picker without the response-header round trip, and ``floor``, the same Envoy asking a
+do-nothing Python ``ext_proc`` server (fixed endpoint, no parsing, no scoring): what any
+Python picker costs here, so ``gie`` minus ``floor`` is the picker's own share.
 Two request kinds: ``POST /tokenize`` (the engine's own time is a fraction of a millisecond,
 so the gateway's share shows) and ``POST /v1/completions`` with one output token. Prints each
 side's p50/p99 and the picker's added latency (the difference; goal <= 1 ms at p50).
@@ -14,17 +18,23 @@ side's p50/p99 and the picker's added latency (the difference; goal <= 1 ms at p
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import httpx
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.server.net import free_port  # noqa: E402
+from tandem.server.picker import protocol  # noqa: E402
 from tests.gateway.utils import (  # noqa: E402
     EnvoyProcess,
     PickerProcess,
@@ -40,6 +50,38 @@ KINDS = {
         {"model": "tiny", "prompt": "The picker chooses an engine " * 8, "max_tokens": 1},
     ),
 }
+
+
+class _FixedEndpoint(ext_proc_grpc.ExternalProcessorServicer):
+    """The floor: answers the protocol's messages with one endpoint, reading nothing."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    async def Process(self, requests, context):  # noqa: N802 - the gRPC method's name
+        body = b""
+        async for m in requests:
+            which = m.WhichOneof("request")
+            if which == "request_body":
+                body += m.request_body.body
+                if m.request_body.end_of_stream:
+                    yield protocol.routed(self.endpoint, len(body))
+                    yield protocol.body_passed(body)
+            elif which == "response_headers":
+                yield protocol.response_headers_passed()
+
+
+def serve_floor(endpoint: str, port: int) -> None:
+    """The do-nothing ext_proc server, in its own process as the picker is."""
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(_FixedEndpoint(endpoint), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,20 +108,20 @@ def measure(gateways: dict[str, str], path: str, body: dict, n: int) -> dict[str
 
 
 def report(kind: str, times: dict[str, list[float]]) -> None:
-    static = times["static"]
     for name, values in times.items():
         print(
             f"{kind:10s} {name:9s} p50 {percentile(values, 0.5):7.3f} ms   "
             f"p99 {percentile(values, 0.99):7.3f} ms   (n={len(values)})"
         )
-    for name in (n for n in times if n != "static"):
-        gie = times[name]
-        pairs = [g - s for g, s in zip(gie, static)]
+    for name, base in [(n, "static") for n in times if n != "static"] + [("gie", "floor")]:
+        gie, ref = times[name], times[base]
+        pairs = [g - r for g, r in zip(gie, ref)]
         print(
-            f"{kind:10s} {name:9s} adds p50 {percentile(gie, 0.5) - percentile(static, 0.5):+.3f}"
-            f" ms, p99 {percentile(gie, 0.99) - percentile(static, 0.99):+.3f} ms; median of "
-            f"paired differences {statistics.median(pairs):+.3f} ms; ratio of p50s "
-            f"{percentile(gie, 0.5) / percentile(static, 0.5):.2f}"
+            f"{kind:10s} {name:9s} over {base:6s} p50 "
+            f"{percentile(gie, 0.5) - percentile(ref, 0.5):+.3f} ms, p99 "
+            f"{percentile(gie, 0.99) - percentile(ref, 0.99):+.3f} ms; median of paired "
+            f"differences {statistics.median(pairs):+.3f} ms; ratio of p50s "
+            f"{percentile(gie, 0.5) / percentile(ref, 0.5):.2f}"
         )
 
 
@@ -90,17 +132,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-epp-"))
     engine = ServerProcess(make_model(work / "models"), *ENGINE_FLAGS, log_path=work / "e.log")
     started: list = [engine]
+    floor = None
     try:
         engine.wait_ready()
         picker = PickerProcess("--node", engine.url, log_path=work / "epp.log")
         started.append(picker)
         picker.wait_ready()
+        floor_port = free_port()
+        floor = multiprocessing.Process(
+            target=serve_floor, args=(f"127.0.0.1:{engine.port}", floor_port), daemon=True
+        )
+        floor.start()
         gateways = {
             "gie": EnvoyProcess(gie_gateway, work, picker.port),
             # the same without sending response headers to the picker: one round trip less
             "gie-skip": EnvoyProcess(
                 functools.partial(gie_gateway, response_headers=False), work, picker.port
             ),
+            "floor": EnvoyProcess(gie_gateway, work, floor_port),
             "static": EnvoyProcess(static_gateway, work, engine.port),
         }
         started += gateways.values()
@@ -112,6 +161,8 @@ def main() -> None:
     finally:
         for p in reversed(started):
             p.stop()
+        if floor is not None:
+            floor.terminate()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ PACKAGES = {
     "tandem.server.api": "api",
     "tandem.server.wire": "wire",
     "tandem.server.proxy": "proxy",
+    "tandem.server.picker": "picker",
     "tandem.operator": "operator",
 }
 
@@ -172,6 +173,11 @@ def test_the_wire_vocabulary_is_a_leaf() -> None:
 
 def test_the_proxy_imports_only_the_wire_vocabulary() -> None:
     assert package_graph()["proxy"] == {"wire"}
+
+
+def test_the_picker_scores_with_the_proxys_routing_and_speaks_only_the_wire() -> None:
+    """The gateway's picker is a second front door over the proxy's routing and registry."""
+    assert package_graph()["picker"] == {"proxy", "wire"}
 
 
 def test_the_wire_imports_no_tandem_module_but_its_own_and_logsafe() -> None:

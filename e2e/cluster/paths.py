@@ -31,6 +31,7 @@ THIRD_PARTY_CRDS = (
     "keda.sh_triggerauthentications.yaml",
     "monitoring.coreos.com_podmonitors.yaml",
     "monitoring.coreos.com_servicemonitors.yaml",
+    "inference.networking.k8s.io_inferencepools.yaml",
 )
 """The generated CRDs the e2e cluster installs (what the chart and the operator create)."""
 

@@ -1,6 +1,6 @@
-"""The proxy runs no model, so importing it (and ``tandem proxy``'s command line) loads
-none of the engine: no torch, no transformers, no numpy, no ZMQ transport, nothing of
-``tandem.server.engine``, ``.api`` or ``.disagg``. Checked in a fresh interpreter through
+"""The proxy and the gateway's picker run no model, so importing them (and ``tandem proxy``'s
+and ``tandem epp``'s command lines) loads none of the engine: no torch, no transformers, no
+numpy, no ZMQ transport, nothing of ``tandem.server.engine``, ``.api`` or ``.disagg``. Checked in a fresh interpreter through
 ``sys.modules`` (never by timing; ``bench/import_time.py`` measures the time)."""
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ HEAVY = (
 SCRIPT = """
 import json, sys
 import tandem.server.proxy.app, tandem.server.proxy.cli
+import tandem.server.picker.server, tandem.server.picker.cli
 from tandem.server.cli import build_parser
 build_parser(only="proxy")  # what `tandem proxy --help` imports
+build_parser(only="epp")  # and `tandem epp --help`
 print(json.dumps(sorted(sys.modules)))
 """
 
 
-def test_the_proxy_and_its_cli_import_nothing_of_the_engine() -> None:
+def test_the_front_doors_and_their_clis_import_nothing_of_the_engine() -> None:
     r = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -40,3 +42,4 @@ def test_the_proxy_and_its_cli_import_nothing_of_the_engine() -> None:
     heavy = [m for m in loaded if m in HEAVY or m.startswith(tuple(h + "." for h in HEAVY))]
     assert heavy == []
     assert "tandem.server.wire.protocol" in loaded  # the check looked at the right process
+    assert "envoy.service.ext_proc.v3.external_processor_pb2" in loaded

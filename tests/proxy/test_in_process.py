@@ -9,7 +9,6 @@ from tandem.server.api.announce import node_body
 from tandem.server.proxy import routing
 from tandem.server.proxy.app import build_app
 from tandem.server.proxy.discovery import PodTracker, parse_node_flag, pod_node
-from tandem.server.proxy.pd_flow import prefill_request
 from tandem.server.proxy.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -18,6 +17,7 @@ from tandem.server.proxy.registry import (
 )
 from tandem.server.proxy.state import ProxySettings
 from tandem.server.wire.auth import Credentials
+from tandem.server.wire.prefill_step import prefill_request
 from tandem.server.wire.roles import parse_role
 
 from ..utils import call_app
@@ -439,3 +439,19 @@ def test_pod_tracker_reads_each_engines_kv_layout() -> None:
     new["metadata"]["labels"]["tandem.dev/kv-layout"] = "aaa"  # a relabelled pod is updated
     t.apply("MODIFIED", new)
     assert {n.kv_layout for n in reg.nodes()} == {"aaa"}
+
+
+def test_plan_is_the_one_decision_both_front_doors_take() -> None:
+    """The decode engine by score; a prefill engine only of its KV layout, only when the
+    request can split and the decode engine would prefill at least the threshold."""
+    cold = routing.Candidate("http://d1", load=0, cached_tokens=0, kv_layout="a")
+    warm = routing.Candidate("http://d2", load=0, cached_tokens=100, kv_layout="b")
+    prefill_a = routing.Candidate("http://p1", load=0, kv_layout="a")
+    prefill_b = routing.Candidate("http://p2", load=0, kv_layout="b")
+    assert routing.plan([], [prefill_a], 100) is None
+    got = routing.plan([cold, warm], [prefill_a, prefill_b], 100, disagg_threshold=32)
+    assert got == routing.Plan(warm)  # all of it cached on d2: nothing worth moving
+    got = routing.plan([cold], [prefill_a, prefill_b], 100, disagg_threshold=32)
+    assert got == routing.Plan(cold, prefill_a)  # layout a pairs with a only
+    assert routing.plan([cold], [prefill_b], 100, disagg_threshold=0) == routing.Plan(cold)
+    assert routing.plan([cold], [prefill_a], 100, why_not="n > 1") == routing.Plan(cold)

@@ -25,6 +25,7 @@ from .status.children import (
     summarize_deployment,
     summarize_job,
     summarize_pod,
+    summarize_pool,
 )
 from .topology import ENGINE_SELECTOR_LABEL, Topology
 
@@ -36,6 +37,7 @@ INDEXES = (
     "child_claims",
     "child_autoscalers",
     "child_scaledobjects",
+    "child_pools",
     "node_gpus",
 )
 
@@ -93,6 +95,12 @@ def child_scaledobjects(
     return {(namespace, owner): AutoscalerSummary(role, *scaled_object_health(dict(body)))}
 
 
+@kopf.index("inference.networking.k8s.io", "v1", "inferencepools", id="child_pools", labels=MANAGED)
+def child_pools(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    owner = owner_of(labels)
+    return {(namespace, owner): summarize_pool(dict(body))} if owner else {}
+
+
 @kopf.index("", "v1", "nodes", id="node_gpus")
 def node_gpus(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Allocatable GPUs per node: a pod asking for more than the largest is Unschedulable."""
@@ -111,6 +119,7 @@ def children_of(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) ->
             *indexes["child_autoscalers"].get(key, []),
             *indexes["child_scaledobjects"].get(key, []),
         ],
+        pools=list(indexes["child_pools"].get(key, [])),
     )
 
 

@@ -31,6 +31,8 @@ PLURALS = {
     "PodGroup": "podgroups",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
+    "InferencePool": "inferencepools",
+    "HTTPRoute": "httproutes",
     "InferenceService": "inferenceservices",
 }
 

@@ -19,6 +19,7 @@ from .spec.roles import RoleSpec
 
 ENGINE_PORT = 8000
 PROXY_PORT = 8000
+PICKER_PORT = 9002  # the endpoint picker's gRPC port (GIE's default)
 MODEL_CACHE_MOUNT = "/models/cache"
 MODEL_PVC_MOUNT = "/models/pvc"
 ENGINE_SELECTOR_LABEL = "tandem.dev/inferenceservice"
@@ -83,6 +84,8 @@ class Topology:
     roles: list[RolePlan] = field(default_factory=list)
     kv_layout: str = ""
     """Hash of the settings that decide the KV cache's layout (see :func:`kv_layout`)."""
+    router: Literal["proxy", "gateway"] = "proxy"
+    """The front door: Tandem's proxy, or a GIE gateway asking the endpoint picker."""
 
     def role(self, role: RoleName) -> RolePlan | None:
         return next((r for r in self.roles if r.role == role), None)
@@ -179,7 +182,10 @@ def plan(
     else:
         roles.append(engine_role(isvc, "both", "engine", spec.decode, model_path))
     selector = engine_selector(name)
-    roles.append(proxy_role(isvc, selector, discovery))
+    # A local run (static discovery) has no gateway: its front door is always the proxy.
+    router = spec.router if discovery == "kubernetes" else "proxy"
+    front = picker_role(isvc, selector) if router == "gateway" else None
+    roles.append(front or proxy_role(isvc, selector, discovery))
     return Topology(
         name=name,
         namespace=namespace,
@@ -189,6 +195,7 @@ def plan(
         engine_selector=selector,
         roles=roles,
         kv_layout=kv_layout(isvc),
+        router=router,
     )
 
 
@@ -230,8 +237,28 @@ def proxy_role(
     isvc: InferenceService, selector: str, discovery: Literal["kubernetes", "static"]
 ) -> RolePlan:
     """The proxy pool: ``tandem proxy`` finding the engines by ``selector`` in a cluster."""
+    return _front_door(isvc, "proxy", "proxy", PROXY_PORT, selector, discovery)
+
+
+def picker_role(isvc: InferenceService, selector: str) -> RolePlan:
+    """The front door behind a GIE gateway: ``tandem epp`` finding the engines by
+    ``selector``, as the proxy would (role ``proxy``: it is the pool's front door, and its
+    readiness is the InferenceService's ``ProxyReady``)."""
+    return _front_door(isvc, "epp", "epp", PICKER_PORT, selector, "kubernetes")
+
+
+def _front_door(
+    isvc: InferenceService,
+    program: str,
+    name: str,
+    port: int,
+    selector: str,
+    discovery: Literal["kubernetes", "static"],
+) -> RolePlan:
+    """A front door's pool (``spec.proxy``'s replicas, policy and extra flags): ``tandem
+    <program>`` discovering the engines by ``selector`` in a cluster."""
     proxy = isvc.spec.proxy
-    args = ["proxy"]
+    args = [program]
     if discovery == "kubernetes":
         args += [
             "--discovery",
@@ -246,10 +273,10 @@ def proxy_role(
     args += proxy.extra_args
     return RolePlan(
         role="proxy",
-        name="proxy",
+        name=name,
         replicas=proxy.replicas,
         args=args,
         gpus=0,
         env={},
-        port=PROXY_PORT,
+        port=port,
     )

@@ -25,6 +25,10 @@ SUBCOMMANDS = {
         "tandem.server.proxy.cli",
         "Run the P/D proxy: one OpenAI endpoint over many engines",
     ),
+    "epp": (
+        "tandem.server.picker.cli",
+        "Run the endpoint picker a Gateway API Inference Extension gateway asks (ext_proc)",
+    ),
     "up": ("tandem.server.local", "Run an InferenceService's proxy and engines as local processes"),
     "operator": ("tandem.operator.cli", "Run the Kubernetes operator (in or out of a cluster)"),
 }

@@ -29,7 +29,7 @@ from .pods import (
     pod_security,
     scrape_annotations,
 )
-from .security import internal_credential_env
+from .security import client_key_env, internal_credential_env
 
 PRESTOP_SECONDS = 5  # let the proxy and EndpointSlices drop the pod before SIGTERM
 STARTUP_PERIOD_SECONDS = 10
@@ -131,7 +131,12 @@ def engine_container(
         "imagePullPolicy": engine.image_pull_policy or options.image_pull_policy,
         "args": [*role.args, "--host", "0.0.0.0", "--port", str(role.port)],
         "ports": [{"name": "http", "containerPort": role.port, "protocol": "TCP"}],
-        "env": [*env_vars(role.env), internal_credential_env(topology)],
+        "env": [
+            *env_vars(role.env),
+            internal_credential_env(topology),
+            # behind a gateway clients call the engines, with the clients' key
+            *(client_key_env(isvc, "TANDEM_API_KEY") if topology.router == "gateway" else []),
+        ],
         "resources": container_resources(role.spec.resources, role.gpus, "engine"),
         # Loading weights can take many minutes: the startup probe allows startupTimeoutSeconds
         # before liveness starts counting; readiness is "the model is being served".

@@ -6,6 +6,7 @@ from ..autoscaler.objects import autoscaler_objects
 from ..spec.inference_service import InferenceService
 from ..topology import Topology, plan
 from .engines import engine_deployment, engine_service, pod_group
+from .gateway import gateway_objects
 from .meta import Manifest, object_meta, pool_name
 from .model import model_objects
 from .options import RenderOptions
@@ -27,7 +28,8 @@ def render(
         out.append(pod_group(isvc, topology))
     for role in topology.roles:
         if not role.is_engine:
-            out += proxy_objects(isvc, topology, role, options)
+            front = gateway_objects if topology.router == "gateway" else proxy_objects
+            out += front(isvc, topology, role, options)
             continue
         out.append(engine_service(isvc, topology, role))
         out.append(pod_disruption_budget(isvc, topology, role))

@@ -18,7 +18,7 @@ from .pods import (
     pod_security,
     scrape_annotations,
 )
-from .security import internal_credential_env
+from .security import client_key_env, internal_credential_env
 
 
 def proxy_objects(
@@ -39,20 +39,12 @@ def proxy_container(
     """``tandem proxy``; its keys reach it through the environment, never its argv."""
     proxy = isvc.spec.proxy
     args = [*role.args, "--host", "0.0.0.0", "--port", str(role.port)]
-    env: list[dict[str, Any]] = [*env_vars(role.env), internal_credential_env(topology)]
-    if proxy.api_key_secret:
-        # read from the environment by the proxy: never an argument, which ps would show
-        env.append(
-            {
-                "name": "TANDEM_PROXY_API_KEY",
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": proxy.api_key_secret.name,
-                        "key": proxy.api_key_secret.key,
-                    }
-                },
-            }
-        )
+    # keys are read from the environment: never an argument, which ps would show
+    env: list[dict[str, Any]] = [
+        *env_vars(role.env),
+        internal_credential_env(topology),
+        *client_key_env(isvc, "TANDEM_PROXY_API_KEY"),
+    ]
     container: dict[str, Any] = {
         "name": "proxy",
         "image": isvc.spec.engine.image or options.image,
@@ -75,22 +67,35 @@ def proxy_container(
 def proxy_deployment(
     isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
 ) -> Manifest:
+    container = proxy_container(isvc, topology, role, options)
+    return front_door_deployment(isvc, topology, role, container, scrape_annotations(role.port))
+
+
+def front_door_deployment(
+    isvc: InferenceService,
+    topology: Topology,
+    role: RolePlan,
+    container: dict[str, Any],
+    annotations: dict[str, str] | None = None,
+) -> Manifest:
+    """A front door's Deployment (the proxy's, or behind a gateway the picker's), running
+    under its own ServiceAccount (its discovery's RBAC)."""
     name = pool_name(topology, role)
+    template_meta: dict[str, Any] = {"labels": labels(topology, "proxy", role.role)}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(isvc, topology, name, "proxy", "proxy"),
+        "metadata": object_meta(isvc, topology, name, "proxy", role.role),
         "spec": {
             "replicas": role.replicas,
-            "selector": {"matchLabels": selector_labels(topology, "proxy")},
+            "selector": {"matchLabels": selector_labels(topology, role.role)},
             "template": {
-                "metadata": {
-                    "labels": labels(topology, "proxy", "proxy"),
-                    "annotations": scrape_annotations(role.port),
-                },
+                "metadata": template_meta,
                 "spec": {
                     "serviceAccountName": name,
-                    "containers": [proxy_container(isvc, topology, role, options)],
+                    "containers": [container],
                     "securityContext": pod_security(),
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": isvc.spec.engine.shutdown_timeout_seconds

@@ -36,11 +36,22 @@ def internal_credential_env(topology: Topology) -> dict[str, Any]:
     }
 
 
+def client_key_env(isvc: InferenceService, name: str) -> list[dict[str, Any]]:
+    """The clients' key (``spec.proxy.apiKeySecret``) as the variable ``name`` from its
+    Secret, for whichever program takes clients: the proxy, or behind a gateway the engines."""
+    ref = isvc.spec.proxy.api_key_secret
+    if ref is None:
+        return []
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def network_policy(isvc: InferenceService, topology: Topology) -> Manifest:
     """Engine pods accept traffic (HTTP and the KV transport) only from this InferenceService's
     own pods (its proxy and peer engines), plus pods labelled ``tandem.dev/metrics-scraper``
-    (any namespace) on the HTTP port for /metrics. Kubelet probes are not subject to it."""
-    return {
+    (any namespace) on the HTTP port for /metrics. Kubelet probes are not subject to it.
+    Behind a gateway (``router: gateway``) clients reach the engines through it, so the HTTP
+    port is open to any pod (each request needs a client key); the KV transport is not."""
+    policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": object_meta(isvc, topology, f"{topology.name}-engines", "engine"),
@@ -67,3 +78,6 @@ def network_policy(isvc: InferenceService, topology: Topology) -> Manifest:
             ],
         },
     }
+    if topology.router == "gateway":
+        policy["spec"]["ingress"].append({"ports": [{"port": "http", "protocol": "TCP"}]})
+    return policy

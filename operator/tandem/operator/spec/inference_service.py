@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .autoscaling import SloSpec
 from .engine import EngineSpec
+from .gateway import GatewaySpec
 from .model import ModelSpec
 from .proxy import ProxySpec
 from .roles import RoleSpec
@@ -49,12 +50,44 @@ class InferenceServiceSpec(SpecModel):
         default_factory=RoleSpec,
         description="Decode pool; in Aggregated mode the pool that serves everything",
     )
-    proxy: ProxySpec = Field(default_factory=ProxySpec, description="The proxy and its Service")
+    proxy: ProxySpec = Field(
+        default_factory=ProxySpec,
+        description="The front door: the proxy and its Service, or with router gateway the "
+        "endpoint picker (replicas, resources, routingPolicy, extraArgs; apiKeySecret goes "
+        "to the engines, which take clients directly)",
+    )
+    router: Literal["proxy", "gateway"] = Field(
+        "proxy",
+        description="proxy: Tandem's proxy is the OpenAI endpoint; gateway: a Gateway API "
+        "Inference Extension gateway routes to the engines, asking an InferencePool's "
+        "endpoint picker (tandem epp)",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self == oldSelf", "message": "router is immutable"}
+            ]
+        },
+    )
+    gateway: GatewaySpec = Field(
+        default_factory=GatewaySpec, description="The gateway's objects (router gateway only)"
+    )
     slo: SloSpec | None = Field(
         None, description="Latency targets the planner sizes prefill and decode for"
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.router != 'gateway' || (has(self.proxy) && has(self.proxy.apiKeySecret))",
+            "router gateway needs proxy.apiKeySecret: behind a gateway the engines take "
+            "clients directly and check their key",
+            lambda s: s.router != "gateway" or s.proxy.api_key_secret is not None,
+            field=".router",
+        ),
+        Rule(
+            "!has(self.gateway) || !has(self.gateway.httpRoute) || self.router == 'gateway'",
+            "gateway.httpRoute needs router gateway",
+            lambda s: s.gateway.http_route is None or s.router == "gateway",
+            field=".gateway",
+        ),
         Rule(
             "self.mode != 'Aggregated' || !has(self.prefill)",
             "Aggregated mode has no prefill role",

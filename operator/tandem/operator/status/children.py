@@ -64,6 +64,32 @@ class AutoscalerSummary:
 
 
 @dataclass(frozen=True)
+class PoolSummary:
+    """An InferencePool's acceptance by the Gateways that route to it (``status.parents``):
+    ``accepted`` None while no Gateway has reported on it."""
+
+    name: str
+    accepted: bool | None
+    reason: str = ""
+    message: str = ""
+
+
+def summarize_pool(body: dict[str, Any]) -> PoolSummary:
+    """A refusing Gateway wins over accepting ones: the pool is not served everywhere."""
+    name = (body.get("metadata") or {}).get("name", "")
+    found: list[tuple[bool, str, str]] = []
+    for parent in (body.get("status") or {}).get("parents") or []:
+        gateway = (parent.get("parentRef") or {}).get("name", "")
+        for c in parent.get("conditions") or []:
+            if c.get("type") == "Accepted" and c.get("status") in ("True", "False"):
+                message = f"Gateway {gateway}: {c.get('message') or ''}".strip()
+                found.append((c.get("status") == "True", c.get("reason") or "", message))
+    if not found:
+        return PoolSummary(name, None)
+    return PoolSummary(name, *min(found, key=lambda f: f[0]))
+
+
+@dataclass(frozen=True)
 class Children:
     """An InferenceService's children; ``jobs`` holds only the current spec's download Job."""
 
@@ -72,6 +98,7 @@ class Children:
     jobs: list[JobSummary] = field(default_factory=list)
     claims: list[ClaimSummary] = field(default_factory=list)
     autoscalers: list[AutoscalerSummary] = field(default_factory=list)
+    pools: list[PoolSummary] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

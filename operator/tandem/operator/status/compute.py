@@ -15,6 +15,7 @@ from .conditions import (
     autoscaling_condition,
     condition,
     model_condition,
+    pool_condition,
     role_condition,
     serving_path,
 )
@@ -54,11 +55,13 @@ def compute_status(
     ]
     if autoscaling is not None:
         conditions.append(autoscaling)
+    if topology.router == "gateway":
+        conditions.append(pool_condition(children))
     decode_role = topology.role("decode") or topology.role("both")
     return InferenceServiceStatus(
         observed_generation=observed_generation,
         phase=_phase(all_ready, failures, model_is_ready, children),
-        url=service_url(isvc),
+        url=service_url(isvc) if topology.router == "proxy" else None,  # else the Gateway's
         selector=topology.engine_selector,
         decode_selector=f"{topology.engine_selector},{ROLE_LABEL}={decode_role.role}"
         if decode_role

@@ -200,3 +200,20 @@ def autoscaling_condition(children: Children) -> Condition | None:
             f"{bad.role} autoscaler: {bad.reason}: {bad.message}",
         )
     return condition("AutoscalingActive", True, "ScalingActive", "the autoscalers can read metrics")
+
+
+def pool_condition(children: Children) -> Condition:
+    """``InferencePoolAccepted`` (``router: gateway``): whether the Gateways routing to the
+    pool accepted it, as they report in its status; Unknown until one does (no Gateway routes
+    to it yet). Informational: the InferenceService is Ready without it."""
+    pool = children.pools[0] if children.pools else None
+    if pool is None or pool.accepted is None:
+        return Condition(
+            type="InferencePoolAccepted",
+            status="Unknown",
+            reason="NoGatewayReported" if pool else "NotCreated",
+            message="no Gateway has reported on the InferencePool yet",
+        )
+    return condition(
+        "InferencePoolAccepted", pool.accepted, pool.reason or "Reported", pool.message
+    )

@@ -14,13 +14,18 @@ from .state import ServerState
 
 
 def check_kv_transfer(
-    state: ServerState, request: Request, params: dict[str, Any] | None, prompts: list[list[int]]
+    state: ServerState,
+    request: Request,
+    params: dict[str, Any] | None,
+    prompts: list[list[int]],
+    driven: bool = False,
 ) -> None:
-    """403 unless the caller holds the internal credential (or the server is open) and, for a
-    decode, the handle is one a trusted prefill engine signed for exactly this prompt."""
+    """403 unless the caller holds the internal credential (or the server is open, or this
+    engine fetched the handle itself from the prefill engine the picker named: ``driven``)
+    and, for a decode, the handle is one a trusted prefill engine signed for this prompt."""
     if params is None or state.settings.credentials.open:
         return
-    if getattr(request.state, "principal", None) != "internal":
+    if not driven and getattr(request.state, "principal", None) != "internal":
         raise APIError(
             403,
             "kv_transfer_params belongs to the internal P/D plane: only the proxy may send it",

@@ -35,6 +35,7 @@ from tandem.server.wire.sse import (
 
 from . import grammar_request, mapping
 from .chat_choice import ChoiceStream, chat_message
+from .driven_prefill import named_prefiller, prefill_remotely
 from .generation import Job, new_id, off_loop, submit, tokenize_text
 from .handoff import check_kv_transfer, signed
 from .reasoning import THINK_END
@@ -161,9 +162,13 @@ async def _submit(
     params: SamplingParams,
     session: str | None,
 ) -> tuple[Job, int]:
-    """Hand the prompts to the engine (a P/D handle checked first); the job and its
-    ``created`` time."""
-    check_kv_transfer(state, request, body.kv_transfer_params, prompt_ids)
+    """Hand the prompts to the engine (a P/D handle checked first, or fetched from the prefill
+    engine the gateway's picker named); the job and its ``created`` time."""
+    kv = body.kv_transfer_params
+    prefiller = named_prefiller(state, request)
+    if prefiller is not None:  # the gateway's picker named the prefill engine: drive it
+        kv = await prefill_remotely(state, request, prefiller)
+    check_kv_transfer(state, request, kv, prompt_ids, driven=prefiller is not None)
     job = await submit(
         state,
         request_id,
@@ -171,7 +176,7 @@ async def _submit(
         params,
         stream=bool(body.stream),
         session_id=session,
-        kv_transfer=body.kv_transfer_params,
+        kv_transfer=kv,
         tenant=tenancy.request_tenant(request),
         cache_salt=body.cache_salt,
         client=request,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+from collections.abc import Callable
 
 from tandem.server.net import add_listen_fd_argument, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
@@ -12,6 +14,7 @@ from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
 from .node_address import DEFAULT_NODE_NETWORKS, NodeNetworks, parse_networks
 from .pd_flow import FlowConfig
+from .registry import Registry
 from .routing import POLICIES
 from .state import ProxySettings
 
@@ -34,29 +37,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the key the engines require, when it is not the internal credential (default: "
         "$TANDEM_ENGINE_API_KEY, else the internal credential)",
     )
-    _add_node_arguments(parser)
-    _add_routing_arguments(parser)
-    _add_health_arguments(parser)
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
-
-
-def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the engines come from: static flags, registration, Kubernetes discovery."""
-    parser.add_argument(
-        "--node",
-        action="append",
-        default=[],
-        metavar="URL[=ROLE]",
-        help="a static engine (repeatable); ROLE is both (default), prefill or decode",
-    )
+    add_discovery_arguments(parser)
     parser.add_argument(
         "--allow-node-networks",
         default=",".join(DEFAULT_NODE_NETWORKS),
         metavar="CIDR,...",
         help="networks POST /nodes/add may name (default: loopback and private ranges); "
         "link-local and metadata addresses are refused regardless",
+    )
+    add_routing_arguments(parser)
+    _add_health_arguments(parser)
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the engines come from: static flags or Kubernetes discovery (the proxy and the
+    gateway's endpoint picker alike)."""
+    parser.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="URL[=ROLE]",
+        help="a static engine (repeatable); ROLE is both (default), prefill or decode",
     )
     parser.add_argument(
         "--discovery",
@@ -72,8 +76,9 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    """Which engine serves a request, and whether it runs prefill -> decode."""
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which engine serves a request, and whether it runs prefill -> decode (the proxy and
+    the gateway's endpoint picker alike: one scorer)."""
     parser.add_argument(
         "--disagg-threshold",
         type=int,
@@ -141,6 +146,18 @@ def _namespace(given: str | None) -> str:
         return "default"
 
 
+def discovery_from_args(
+    args: argparse.Namespace,
+) -> Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None:
+    """``--discovery kubernetes``: the pod watch (``--namespace``, ``--selector``); None for
+    static nodes only."""
+    if args.discovery != "kubernetes":
+        return None
+    from .discovery import kubernetes_discovery
+
+    return kubernetes_discovery(_namespace(args.namespace), args.selector)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -181,8 +198,6 @@ def _settings(
 ) -> ProxySettings:
     """The app's settings from the flags and the environment (keys from the environment or
     files, never only from arguments that show in ``ps``)."""
-    from .discovery import kubernetes_discovery
-
     credentials = credentials_from_args(args, os.environ, "TANDEM_PROXY_API_KEY")
     flow = FlowConfig(
         disagg_threshold=args.disagg_threshold,
@@ -194,11 +209,6 @@ def _settings(
         request_timeout=args.request_timeout,
         stall_timeout=max(0.5, args.stall_timeout),
     )
-    discovery = (
-        kubernetes_discovery(_namespace(args.namespace), args.selector)
-        if args.discovery == "kubernetes"
-        else None
-    )
     return ProxySettings(
         credentials=credentials,
         flow=flow,
@@ -207,7 +217,7 @@ def _settings(
         dead_threshold=args.dead_threshold,
         startup_grace=args.startup_grace,
         forget_after=args.forget_after,
-        discovery=discovery,
+        discovery=discovery_from_args(args),
         edge=edge_from_args(args),
         default_max_tokens=args.default_max_tokens or None,
         node_networks=networks,

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -55,6 +54,7 @@ from fastapi.responses import Response
 
 from tandem.server.wire.edge import request_id_header
 from tandem.server.wire.errors import APIError, ClientDisconnected, error_body, error_response
+from tandem.server.wire.prefill_step import prefill_request
 from tandem.server.wire.sse import (
     SSE_HEADERS,
     DisconnectAwareStreamingResponse,
@@ -192,18 +192,15 @@ class PDFlow:
     def _timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self.config.request_timeout, connect=self.config.connect_timeout)
 
-    def _candidates(self, nodes: list[Node], chunks: list[bytes]) -> list[routing.Candidate]:
-        return [
-            routing.Candidate(n.url, n.load, self.prefix.matched_tokens(n.url, chunks))
-            for n in nodes
-        ]
-
     def _pick(
         self, nodes: list[Node], chunks: list[bytes], prompt_tokens: int
     ) -> tuple[Node, int] | None:
         """The best node and the prompt tokens it likely has cached."""
         c = routing.pick(
-            self._candidates(nodes, chunks), prompt_tokens, self.config.policy, next(self._turn)
+            routing.candidates(nodes, self.prefix, chunks),
+            prompt_tokens,
+            self.config.policy,
+            next(self._turn),
         )
         if c is None:
             return None
@@ -279,23 +276,24 @@ class PDFlow:
                 return await self.forward(
                     held, kind, body, request, chunks, decoders, session_key, deadline
                 ), "session"
-        picked = self._pick(decoders, chunks, prompt_tokens)
-        assert picked is not None
-        decode, cached = picked
-        # Pair only engines of one KV layout: mid-rollout, old prefill and new decode meet.
-        prefillers = [
-            p
-            for p in self.registry.routable(PREFILL_ROLES, model)
-            if p.kv_layout == decode.kv_layout
-        ]
+        prefillers = self.registry.routable(PREFILL_ROLES, model)
         why_not = routing.disaggregatable(kind, body)
         if session_key is not None:
             why_not = "session"  # a session's blocks stay on the engine that holds it
-        if (
-            prefillers
-            and why_not is None
-            and routing.should_disaggregate(prompt_tokens, cached, self.config.disagg_threshold)
-        ):
+        route = routing.plan(
+            routing.candidates(decoders, self.prefix, chunks),
+            routing.candidates(prefillers, self.prefix, chunks),
+            prompt_tokens,
+            policy=self.config.policy,
+            turn=next(self._turn),
+            disagg_threshold=self.config.disagg_threshold,
+            why_not=why_not,
+        )
+        assert route is not None
+        decode = next(n for n in decoders if n.url == route.decode.url)
+        if route.prefill is not None:
+            # Pair only engines of one KV layout: mid-rollout, old prefill and new decode meet.
+            prefillers = [p for p in prefillers if p.kv_layout == decode.kv_layout]
             same_layout = [d for d in decoders if d.kv_layout == decode.kv_layout]
             job = Job(kind, body, request, chunks, prompt_tokens, deadline)
             return await self.disaggregated(job, prefillers, decode, same_layout)
@@ -844,14 +842,3 @@ async def watch_progress(
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-
-
-def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill step's body: the client's request, one token, not streamed, KV kept for a decode."""
-    out = copy.deepcopy(body)
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out.pop("max_completion_tokens", None)
-    out["max_tokens"] = 1
-    out["kv_transfer_params"] = {"do_remote_decode": True}
-    return out

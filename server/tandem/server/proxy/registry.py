@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,7 @@ class Node:
     active: int = 0  # the engine's reported running requests
     free_blocks: int | None = None
     total_blocks: int | None = None
+    kv_usage: float | None = None  # the engine's vllm:kv_cache_usage_perc (the picker scrapes it)
     added_at: float = 0.0
     last_error: str | None = None
     last_status: str | None = None
@@ -457,9 +458,15 @@ class HealthPoller:
 
     async def run(self) -> None:
         """Poll until cancelled."""
-        while True:
-            try:
-                await self.poll_once()
-            except Exception:  # noqa: BLE001 - a poller must outlive any one bad answer
-                log.exception("health poll failed")
-            await asyncio.sleep(self.interval)
+        await every(self.interval, self.poll_once, "health poll")
+
+
+async def every(interval: float, step: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run ``step`` every ``interval`` seconds until cancelled: a poller outlives any one
+    bad round (logged)."""
+    while True:
+        try:
+            await step()
+        except Exception:  # noqa: BLE001 - one bad answer must not stop the polling
+            log.exception("%s failed", what)
+        await asyncio.sleep(interval)

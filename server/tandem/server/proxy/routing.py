@@ -18,9 +18,9 @@ import hashlib
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 CHUNK_CHARS = 64
 CHARS_PER_TOKEN = 4
@@ -176,6 +176,33 @@ class Candidate:
     url: str
     load: int  # requests the proxy has in flight there + the engine's reported waiting queue
     cached_tokens: int = 0  # estimated prompt tokens this engine likely holds
+    kv_layout: str | None = None  # a prefill engine hands KV only to a decode of its layout
+
+
+class Routable(Protocol):
+    """What the scorer reads of a node (``registry.Node``), whichever front door holds it."""
+
+    url: str
+    kv_layout: str | None
+
+    @property
+    def load(self) -> int: ...
+
+
+R = TypeVar("R", bound=Routable)
+
+
+def candidates(
+    nodes: Sequence[R],
+    prefix: PrefixIndex,
+    chunks: Sequence[bytes],
+    load: Callable[[R], int] = lambda n: n.load,
+) -> list[Candidate]:
+    """The nodes as the scorer sees them: their load (``load``: what this front door knows
+    of it; the proxy's ``Node.load`` by default) and the prompt tokens they likely hold."""
+    return [
+        Candidate(n.url, load(n), prefix.matched_tokens(n.url, chunks), n.kv_layout) for n in nodes
+    ]
 
 
 def score(c: Candidate, prompt_tokens: int, load_weight: float = 0.25) -> float:
@@ -256,6 +283,42 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
     if max_tokens == 1:
         return "max_tokens is 1"  # the prefill engine's one token is the whole answer
     return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one request goes: its decode (or aggregated) engine, the prompt tokens that engine
+    likely holds, and the prefill engine when it should run prefill -> decode."""
+
+    decode: Candidate
+    prefill: Candidate | None = None
+
+
+def plan(
+    decoders: Sequence[Candidate],
+    prefillers: Sequence[Candidate],
+    prompt_tokens: int,
+    *,
+    policy: str = "score",
+    turn: int = 0,
+    disagg_threshold: int = 32,
+    why_not: str | None = None,
+) -> Plan | None:
+    """The one routing decision both front doors take (the proxy, the gateway's picker): the
+    best decode engine, then, when the request can be split (``why_not`` None) and that
+    engine would prefill ``disagg_threshold`` tokens or more, the best prefill engine of its
+    KV layout. None when no decode engine is given."""
+    decode = pick(decoders, prompt_tokens, policy, turn)
+    if decode is None:
+        return None
+    same_layout = [p for p in prefillers if p.kv_layout == decode.kv_layout]
+    if (
+        not same_layout
+        or why_not is not None
+        or not should_disaggregate(prompt_tokens, decode.cached_tokens, disagg_threshold)
+    ):
+        return Plan(decode)
+    return Plan(decode, pick(same_layout, prompt_tokens, policy, turn))
 
 
 def round_robin_counter() -> Iterator[int]:

@@ -103,3 +103,33 @@ def node_proof(secret: str, nonce: str) -> str:
 def proof_valid(secret: str, nonce: str, given: str | None) -> bool:
     """Whether a node's answer proves it holds ``secret`` (the proxy's side)."""
     return isinstance(given, str) and hmac.compare_digest(given, node_proof(secret, nonce))
+
+
+# Decode-driven P/D behind a gateway (docs/gateway.md): the picker names the prefill engine a
+# decode engine should drive in ``x-prefiller-host-port`` (llm-d's header) and signs it with
+# the internal credential, so a client, who never holds it, cannot aim an engine at an address.
+PREFILLER_HEADER = "x-prefiller-host-port"
+PREFILLER_SIGNATURE_HEADER = "x-tandem-prefiller-signature"
+PREFILLER_MAX_AGE_S = 60.0
+
+
+def prefiller_signature(secret: str, host_port: str, issued_at: float) -> str:
+    """``<issued_at>.<hmac>`` over the prefill endpoint and the time the picker named it."""
+    stamp = f"{issued_at:.3f}"
+    key = derive_key(secret, "prefiller")
+    mac = hmac.new(key, f"{host_port}\0{stamp}".encode(), hashlib.sha256).hexdigest()
+    return f"{stamp}.{mac}"
+
+
+def prefiller_valid(secret: str, host_port: str, signature: str | None, now: float) -> bool:
+    """Whether the picker (holding ``secret``) named ``host_port`` within the last minute."""
+    if not isinstance(signature, str) or "." not in signature:
+        return False
+    stamp, _, _ = signature.rpartition(".")
+    try:
+        issued = float(stamp)
+    except ValueError:
+        return False
+    if not -5.0 <= now - issued <= PREFILLER_MAX_AGE_S:
+        return False
+    return hmac.compare_digest(signature, prefiller_signature(secret, host_port, issued))

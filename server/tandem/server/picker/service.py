@@ -1,0 +1,104 @@
+"""The ``ext_proc`` ExternalProcessor the gateway streams each HTTP request through.
+
+In full-duplex streaming the gateway sends the request's headers, then its body in chunks;
+the picker buffers the body (the prompt decides the engine), and at its end answers the
+headers (the endpoint, ``protocol.routed``) and then the body, unchanged, as the protocol
+orders: headers, body, trailers. A bodiless request (``GET /v1/models``) is answered on its
+headers. The exchange lives as long as the gateway's request; when it ends the request stops
+counting as load on its engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+from . import protocol
+from .choice import Picker, Refusal, Route
+
+log = logging.getLogger("tandem.picker")
+
+
+class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    async def Process(  # noqa: N802 - the gRPC method's name
+        self,
+        request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        exchange = _Exchange(self.picker)
+        try:
+            async for message in request_iterator:
+                for response in exchange.on(message):
+                    yield response
+                if exchange.refused:
+                    return
+        finally:
+            exchange.close()
+
+
+class _Exchange:
+    """One HTTP request's ext_proc stream: what arrived so far and what was answered."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self.path = "/"
+        self.caller = ""
+        self.subset: frozenset[str] | None = None
+        self.body = bytearray()
+        self.route: Route | None = None
+        self.refused = False
+
+    def on(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
+        which = message.WhichOneof("request")
+        if which == "request_headers":
+            headers = protocol.header_map(message.request_headers)
+            self.path = headers.get(":path", "/")
+            self.caller = headers.get("authorization", headers.get("x-api-key", ""))
+            self.subset = protocol.subset_hint(message)
+            if message.request_headers.end_of_stream:
+                return self._decide(None)
+            return []
+        if which == "request_body":
+            self.body += message.request_body.body
+            if message.request_body.end_of_stream:
+                return self._decide(len(self.body)) + self._body(True)
+            return []
+        if which == "request_trailers":
+            decided = [] if self.route else self._decide(len(self.body)) + self._body(False)
+            return decided + [protocol.trailers_passed()]
+        if which == "response_headers":
+            status = protocol.header_map(message.response_headers).get(":status", "")
+            if self.route is not None and status.isdigit():
+                self.picker.answered(self.route, int(status))
+            return [protocol.response_headers_passed()]
+        return []
+
+    def _decide(self, body_length: int | None) -> list[ext_proc.ProcessingResponse]:
+        outcome = self.picker.choose(self.path, bytes(self.body), self.subset, self.caller)
+        if isinstance(outcome, Refusal):
+            self.refused = True
+            log.info("refused %s: %d %s", self.path, outcome.status, outcome.code)
+            return [
+                protocol.refused(outcome.status, outcome.message, outcome.code, outcome.retry_after)
+            ]
+        self.route = outcome
+        return [protocol.routed(outcome.endpoint, body_length, outcome.prefiller)]
+
+    def _body(self, end_of_stream: bool) -> list[ext_proc.ProcessingResponse]:
+        if self.refused:
+            return []
+        body, self.body = bytes(self.body), bytearray()
+        return [protocol.body_passed(body, end_of_stream)]
+
+    def close(self) -> None:
+        if self.route is not None:
+            log.debug("request to %s ended", self.route.endpoint)
+            self.picker.release(self.route)
+            self.route = None

@@ -1,0 +1,193 @@
+"""The picker's side of the endpoint picker protocol over real gRPC, in process: engines are
+registry entries marked healthy by hand (no model), the gateway is a gRPC stub sending what
+Envoy sends. The subset hint, the endpoint in header and metadata, stripping the picker's
+headers from clients, shedding, the P/D header's signature and the health services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.server.picker.choice import Picker, PickerConfig
+from tandem.server.picker.server import PickerSettings, running_picker
+from tandem.server.picker.service import ExternalProcessor
+from tandem.server.proxy.registry import Registry
+from tandem.server.wire.trust import PREFILLER_HEADER, PREFILLER_SIGNATURE_HEADER, prefiller_valid
+
+SECRET = "sk-internal"
+ENGINES = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+
+
+def _registry(prefill: bool = False) -> Registry:
+    registry = Registry()
+    for url in ENGINES:
+        registry.add(url, "decode" if prefill else "both", ["tiny"], source="static").healthy = True
+    if prefill:
+        registry.add("http://10.0.1.1:8000", "prefill", ["tiny"], source="static").healthy = True
+    return registry
+
+
+def _headers(path: str, extra: dict[str, str] | None = None, eos: bool = False):
+    pairs = {":method": "POST", ":path": path, "content-type": "application/json", **(extra or {})}
+    return ext_proc.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+        ),
+        end_of_stream=eos,
+    )
+
+
+def _messages(body: dict, subset: list[str] | None = None, extra=None):
+    first = ext_proc.ProcessingRequest(request_headers=_headers("/v1/completions", extra))
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        first.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    raw = json.dumps(body).encode()
+    half = len(raw) // 2
+    return [
+        first,
+        ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=raw[:half])),
+        ext_proc.ProcessingRequest(
+            request_body=ext_proc.HttpBody(body=raw[half:], end_of_stream=True)
+        ),
+    ]
+
+
+async def _exchange(picker: Picker, messages) -> list[ext_proc.ProcessingResponse]:
+    server = grpc.aio.server()
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = ext_proc_grpc.ExternalProcessorStub(channel)
+
+            async def send() -> AsyncIterator[ext_proc.ProcessingRequest]:
+                for m in messages:
+                    yield m
+
+            return [r async for r in stub.Process(send())]
+    finally:
+        await server.stop(None)
+
+
+def _run(picker: Picker, messages) -> list[ext_proc.ProcessingResponse]:
+    return asyncio.run(_exchange(picker, messages))
+
+
+def _set(response: ext_proc.ProcessingResponse) -> dict[str, str]:
+    mutation = response.request_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+BODY = {"model": "tiny", "prompt": "Once upon a time " * 20, "max_tokens": 4}
+
+
+def test_the_endpoint_comes_back_in_the_header_and_the_metadata_then_the_body() -> None:
+    responses = _run(Picker(_registry(), PickerConfig()), _messages(BODY))
+    headers, body = responses
+    endpoint = _set(headers)["x-gateway-destination-endpoint"]
+    assert endpoint in {u.removeprefix("http://") for u in ENGINES}
+    meta = headers.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert meta["x-gateway-destination-endpoint"].string_value == endpoint
+    assert headers.request_headers.response.clear_route_cache
+    streamed = body.request_body.response.body_mutation.streamed_response
+    assert json.loads(streamed.body) == BODY and streamed.end_of_stream
+    assert int(_set(headers)["content-length"]) == len(streamed.body)
+
+
+def test_the_subset_hint_limits_the_choice_and_an_empty_one_is_a_503() -> None:
+    registry = _registry()
+    picker = Picker(registry, PickerConfig())
+    for _ in range(4):
+        (headers, _) = _run(picker, _messages(BODY, subset=["10.0.0.3:8000"]))
+        assert _set(headers)["x-gateway-destination-endpoint"] == "10.0.0.3:8000"
+    (refused,) = _run(picker, _messages(BODY, subset=["10.9.9.9:8000"]))
+    assert refused.immediate_response.status.code == 503
+    assert json.loads(refused.immediate_response.body)["error"]["code"] == "no_engine_available"
+
+
+def test_a_clients_picker_headers_are_never_passed_on() -> None:
+    forged = {
+        PREFILLER_HEADER: "169.254.169.254:80",
+        PREFILLER_SIGNATURE_HEADER: "1.deadbeef",
+        "x-gateway-destination-endpoint": "169.254.169.254:80",
+    }
+    (headers, _) = _run(Picker(_registry(), PickerConfig()), _messages(BODY, extra=forged))
+    mutation = headers.request_headers.response.header_mutation
+    assert set(mutation.remove_headers) == {PREFILLER_HEADER, PREFILLER_SIGNATURE_HEADER}
+    assert _set(headers)["x-gateway-destination-endpoint"].startswith("10.0.0.")
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    assert all(h.append_action == overwrite for h in mutation.set_headers)
+
+
+def test_pd_names_the_prefill_engine_signed_with_the_internal_credential() -> None:
+    picker = Picker(_registry(prefill=True), PickerConfig(disagg_threshold=0, internal_key=SECRET))
+    (headers, _) = _run(picker, _messages(BODY))
+    sets = _set(headers)
+    assert sets[PREFILLER_HEADER] == "10.0.1.1:8000"
+    assert sets["x-gateway-destination-endpoint"].startswith("10.0.0.")
+    assert prefiller_valid(SECRET, "10.0.1.1:8000", sets[PREFILLER_SIGNATURE_HEADER], time.time())
+    assert not prefiller_valid(
+        SECRET, "10.0.9.9:8000", sets[PREFILLER_SIGNATURE_HEADER], time.time()
+    )
+    # n > 1 cannot be split: no prefill engine named, and any client copy removed
+    (headers, _) = _run(picker, _messages({**BODY, "n": 2}))
+    assert PREFILLER_HEADER not in _set(headers)
+
+
+def test_a_session_stays_on_the_engine_holding_it_for_its_caller() -> None:
+    """A turn may send only its new message: no prefix to follow, the session table holds it."""
+    picker = Picker(_registry(), PickerConfig())
+    first = {"model": "tiny", "prompt": "Opening turn " * 20, "session_id": "s1"}
+    (headers, _) = _run(picker, _messages(first, extra={"authorization": "Bearer k1"}))
+    held = _set(headers)["x-gateway-destination-endpoint"]
+    for node in picker.registry.nodes():  # make the holder the busiest: it still gets the turn
+        node.pending = 9 if node.url.endswith(held) else 0
+    turn = {"model": "tiny", "prompt": "next", "session_id": "s1"}
+    (headers, _) = _run(picker, _messages(turn, extra={"authorization": "Bearer k1"}))
+    assert _set(headers)["x-gateway-destination-endpoint"] == held
+    (headers, _) = _run(picker, _messages(turn, extra={"authorization": "Bearer k2"}))
+    assert _set(headers)["x-gateway-destination-endpoint"] != held  # another key's session
+
+
+def test_full_queues_are_shed_with_a_429() -> None:
+    registry = _registry()
+    for node in registry.nodes():
+        node.pending = 8
+    (refused,) = _run(Picker(registry, PickerConfig(shed_queue=8)), _messages(BODY))
+    assert refused.immediate_response.status.code == 429
+    registry.nodes()[0].pending = 7
+    (headers, _) = _run(Picker(registry, PickerConfig(shed_queue=8)), _messages(BODY))
+    assert _set(headers)["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+
+
+def test_a_bodiless_request_is_routed_on_its_headers() -> None:
+    message = ext_proc.ProcessingRequest(request_headers=_headers("/v1/models", eos=True))
+    (headers,) = _run(Picker(_registry(), PickerConfig()), [message])
+    assert "x-gateway-destination-endpoint" in _set(headers)
+
+
+@pytest.mark.parametrize(
+    "service", ["liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+)
+def test_the_health_services_serve(service: str) -> None:
+    async def check() -> int:
+        async with running_picker(PickerSettings(), "127.0.0.1:0") as port:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+                return reply.status
+
+    assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING

@@ -16,6 +16,7 @@ from .prefix_cache import ROOT_HASH
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .lora.adapter import LoraAdapter
     from .pooling import PoolingParams
     from .structured import SequenceGrammar
 
@@ -123,8 +124,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    # The prefix cache partition (tenant and cache_salt) its block hashes start from.
+    # The prefix cache partition (tenant, cache_salt, LoRA adapter) its block hashes start from.
     cache_root: int = ROOT_HASH
+    lora: LoraAdapter | None = None  # the adapter it runs through (None: the base model)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -221,7 +221,7 @@ def test_malformed_adapters_are_refused_and_the_engine_keeps_serving(
     for i, path in enumerate(paths):
         with pytest.raises(LoraLoadError):
             engine.add_lora(engine.read_lora(f"bad-{i}", str(path)))
-    assert engine.lora_names == tuple(NAMES)
+    assert list(engine.served_loras) == NAMES
     with pytest.raises(LoraLoadError):  # one name, one adapter
         engine.add_lora(engine.read_lora("qv-r4", str(loras["qv-r4"])))
     out = llm.generate([ids[0]], GREEDY, lora="qv-r4")[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 
 import torch
@@ -397,9 +398,9 @@ class LLMEngine:
         return adapter
 
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The adapters served (any thread: replaced whole when one is added or removed)."""
-        return self.loras.names if self.loras is not None else ()
+    def served_loras(self) -> Mapping[str, str]:
+        """The adapters served, name -> path (any thread: replaced whole on each change)."""
+        return self.loras.served if self.loras is not None else {}
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter (any thread: it changes nothing); ``LoraLoadError``

@@ -13,7 +13,8 @@ request's slot. An adapter unloaded by name stays usable by the requests already
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..models.config import ModelConfig
@@ -35,7 +36,8 @@ class LoraRegistry:
         self.max_loras, self.max_rank = max_loras, max_rank
         self._load_slot = load_slot
         self._adapters: dict[str, LoraAdapter] = {}
-        self.names: tuple[str, ...] = ()  # replaced whole: other threads read it as it is
+        # name -> path, replaced whole on each change: other threads read it as it is
+        self.served: Mapping[str, str] = MappingProxyType({})
         # identity -> (slot, adapter), least recently used first
         self._resident: OrderedDict[str, tuple[int, LoraAdapter]] = OrderedDict()
         self.loads = 0  # adapters copied into a slot since start
@@ -48,13 +50,13 @@ class LoraRegistry:
         if adapter.name in self._adapters:
             raise LoraLoadError(f"an adapter named {adapter.name!r} is already loaded")
         self._adapters[adapter.name] = adapter
-        self.names = tuple(self._adapters)
+        self.served = MappingProxyType({n: a.path for n, a in self._adapters.items()})
 
     def remove(self, name: str) -> bool:
         """Stop serving ``name``; requests already holding it finish through it."""
         if self._adapters.pop(name, None) is None:
             return False
-        self.names = tuple(self._adapters)
+        self.served = MappingProxyType({n: a.path for n, a in self._adapters.items()})
         return True
 
     def get(self, name: str) -> LoraAdapter | None:

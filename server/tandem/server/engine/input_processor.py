@@ -24,7 +24,7 @@ from .lora.adapter import LoraAdapter
 from .models.config import ModelConfig, eos_token_ids
 from .pooling import PoolingParams, check_dimensions
 from .prefix_cache import ROOT_HASH, salted_root
-from .request import OutputState, PoolingState, Request, SamplingState, Timings
+from .request import OutputState, Partition, PoolingState, Request, SamplingState, Timings
 from .sampling_params import InvalidParamError, SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -112,8 +112,7 @@ class InputProcessor:
             group_id=request_id,
             times=Timings(arrival=time.monotonic()),
             pooling=PoolingState(pooling.resolve(self.default_pooling)),
-            cache_root=self._cache_root,
-            lora=self._lora,
+            partition=Partition(self._cache_root, self._lora),
         )
 
     def _request(
@@ -140,6 +139,5 @@ class InputProcessor:
             group_id=request_id,
             output=OutputState(index=index, stream=stream, detokenizer=detokenizer),
             times=Timings(arrival=time.monotonic()),
-            cache_root=self._cache_root,
-            lora=self._lora,
+            partition=Partition(self._cache_root, self._lora),
         )

@@ -122,6 +122,7 @@ class LLMEngine:
         """
         self.memory.check_awake()
         adapter = self._adapter(lora)
+        self.handoff.check_lora(kv_transfer, lora)
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
         with self.inputs.cache_partition(tenant, cache_salt, adapter):

@@ -15,7 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from tandem.server.engine import LLM, SamplingParams
 from tandem.server.engine.lora.adapter import LoraLoadError, LoraPair
-from tandem.server.engine.lora.segment import add_lora, plan_segments
+from tandem.server.engine.lora.segment import (
+    add_lora,
+    add_lora_stacked,
+    plan_segments,
+    row_weights,
+    stack_pairs,
+)
 from tandem.server.engine.sampling_params import InvalidParamError
 
 from ..hf_reference import peft_greedy
@@ -254,3 +260,26 @@ def test_segments_group_rows_by_slot() -> None:
     for rows, (p, s) in zip([[0, 1, 2, 6, 7, 8], [5]], [(pairs[0], 0.5), (pairs[1], 2.0)]):
         want[rows] = x[rows] @ p.a.T @ p.b.T * s
     assert torch.allclose(y, want)
+
+
+def test_the_stacked_product_equals_the_segmented_one() -> None:
+    """Decode steps take ``add_lora_stacked``: for every row, its own adapter's update only."""
+    slots, lens = [2, -1, 0, 2, 1, 0], [1, 1, 1, 1, 1, 1]
+    plan = plan_segments(slots, lens, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=g)
+
+    def pair(rank: int) -> LoraPair:
+        a = torch.randn(rank, 8, dtype=torch.float64, generator=g)
+        return LoraPair(a, torch.randn(5, rank, dtype=torch.float64, generator=g))
+
+    pairs = {0: (pair(2), 0.5), 1: (pair(4), 2.0), 2: (pair(3), 1.5)}
+    segmented, stacked_y = (
+        torch.ones(6, 5, dtype=torch.float64),
+        torch.ones(6, 5, dtype=torch.float64),
+    )
+    add_lora(x, segmented, plan, [pairs[s] for s in plan.slots])
+    stacked = stack_pairs([(s, *pairs[s]) for s in plan.slots])
+    add_lora_stacked(x, stacked_y, stacked, row_weights(plan, stacked))
+    assert torch.allclose(segmented, stacked_y)
+    assert torch.equal(stacked_y[1], torch.ones(5, dtype=torch.float64))  # the base row

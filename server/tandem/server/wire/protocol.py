@@ -444,6 +444,7 @@ class HealthResponse(StrictOut):
     gpu_memory_used: str | None = None
     gpu_memory_total: str | None = None
     weights: WeightsInfo | None = None
+    lora_adapters: list[str] = []  # the LoRA adapters it serves (the proxy routes by them)
 
 
 class GenerateMetaInfo(StrictOut):

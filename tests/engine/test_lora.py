@@ -283,3 +283,19 @@ def test_the_stacked_product_equals_the_segmented_one() -> None:
     add_lora_stacked(x, stacked_y, stacked, row_weights(plan, stacked))
     assert torch.allclose(segmented, stacked_y)
     assert torch.equal(stacked_y[1], torch.ones(5, dtype=torch.float64))  # the base row
+
+
+def test_make_tiny_lora_writes_a_peft_adapter_with_nonzero_b(tiny_models, tmp_path: Path) -> None:
+    from tandem.server.cli import main
+    from tandem.server.engine.loader import read_model_config
+    from tandem.server.engine.lora.adapter import load_adapter
+
+    model = tiny_models["qwen3"]
+    out = tmp_path / "adapter"
+    args = ["make-tiny-lora", str(model), str(out), "--rank", "4", "--targets", "q_proj,down_proj"]
+    assert main(args) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj"]
+    adapter = load_adapter("a", out, read_model_config(model), max_rank=64)
+    assert sorted({k[1] for k in adapter.pairs}) == ["down_proj", "qkv_proj"]
+    assert all(p.b.abs().sum() > 0 for p in adapter.pairs.values())

@@ -16,7 +16,17 @@ import openai
 import pytest
 
 from ..hf_reference import peft_greedy
-from ..utils import ADMIN_KEY, API_KEY, ENGINE_FLAGS, ServerProcess, held, serving, wait_until
+from ..proxy.utils import openai_client
+from ..utils import (
+    ADMIN_KEY,
+    API_KEY,
+    ENGINE_FLAGS,
+    ServerProcess,
+    greedy_token_ids,
+    held,
+    serving,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(300)
 BASE = "tiny"
@@ -47,7 +57,7 @@ def server(tiny_models, tiny_loras, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server.url, server.headers)
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +65,6 @@ def prompt_ids(tiny_models) -> list[int]:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_models["llama"])).encode(PROMPT)
-
-
-def _greedy(client: openai.OpenAI, model: str, prompt_ids: list[int]) -> list[int]:
-    out = client.completions.create(
-        model=model,
-        prompt=prompt_ids,
-        max_tokens=N,
-        temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    return out.choices[0].model_extra["token_ids"]
 
 
 def _admin(server: ServerProcess, path: str, body: dict, key: str = ADMIN_KEY) -> httpx.Response:
@@ -86,7 +85,7 @@ def test_model_selects_the_adapter(client, tiny_models, tiny_loras, prompt_ids) 
     loras = {n: tiny_loras["llama"][n] for n in ("qv-r4", "all-r8")}
     for model, name in [(BASE, None), ("qv-r4", "qv-r4"), ("all-r8", "all-r8")]:
         want = peft_greedy(tiny_models["llama"], loras, name, prompt_ids, N)
-        assert _greedy(client, model, prompt_ids) == want, model
+        assert greedy_token_ids(client, model, prompt_ids, N) == want, model
     chat = client.chat.completions.create(
         model="qv-r4", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
@@ -107,7 +106,7 @@ def test_load_and_unload_take_the_admin_key(server, client, tiny_models, tiny_lo
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
     assert _admin(server, "/v1/load_lora_adapter", body).status_code == 400  # already loaded
     want = peft_greedy(tiny_models["llama"], {"late": path}, "late", prompt_ids, N)
-    assert _greedy(client, "late", prompt_ids) == want
+    assert greedy_token_ids(client, "late", prompt_ids, N) == want
     assert "late" in {m.id for m in client.models.list()}
     gone = {"lora_name": "late"}
     assert _admin(server, "/v1/unload_lora_adapter", gone, key=API_KEY).status_code == 403
@@ -134,7 +133,7 @@ def test_malformed_adapters_are_400_and_the_server_keeps_serving(
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "invalid_lora_adapter"
     loras = {"qv-r4": src}
-    assert _greedy(client, "qv-r4", prompt_ids) == peft_greedy(
+    assert greedy_token_ids(client, "qv-r4", prompt_ids, N) == peft_greedy(
         tiny_models["llama"], loras, "qv-r4", prompt_ids, N
     )
 

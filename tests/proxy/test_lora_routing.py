@@ -7,23 +7,12 @@ from __future__ import annotations
 import pytest
 
 from ..hf_reference import peft_greedy
-from ..utils import ENGINE_FLAGS, ServerProcess
+from ..utils import ENGINE_FLAGS, ServerProcess, greedy_token_ids
 from .utils import ProxyProcess, engine_and_proxies, openai_client, stop_all
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT_IDS = list(range(40, 90))
 N = 8
-
-
-def _greedy(client, model: str) -> list[int]:
-    out = client.completions.create(
-        model=model,
-        prompt=PROMPT_IDS,
-        max_tokens=N,
-        temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    return out.choices[0].model_extra["token_ids"]
 
 
 def test_adapters_route_to_their_engines_aggregated_and_disaggregated(
@@ -43,7 +32,9 @@ def test_adapters_route_to_their_engines_aggregated_and_disaggregated(
             assert listed == {"tiny": None, "qv-r4": "tiny", "all-r8": "tiny"}
             assert client.models.retrieve("all-r8").model_extra["parent"] == "tiny"
             for name in ("qv-r4", "all-r8"):
-                assert _greedy(client, name) == peft_greedy(model, loras, name, PROMPT_IDS, N)
+                assert greedy_token_ids(client, name, PROMPT_IDS, N) == peft_greedy(
+                    model, loras, name, PROMPT_IDS, N
+                )
 
 
 def test_only_engines_with_the_adapter_get_its_requests(tiny_models, tiny_loras, tmp_path) -> None:
@@ -64,8 +55,8 @@ def test_only_engines_with_the_adapter_get_its_requests(tiny_models, tiny_loras,
         assert nodes[with_it.url]["lora_adapters"] == ["ko-r2"]
         client = openai_client(proxy.url, proxy.headers)
         want = peft_greedy(model, loras, "ko-r2", PROMPT_IDS, N)
-        assert all(_greedy(client, "ko-r2") == want for _ in range(6))
-        base = [_greedy(client, "tiny") for _ in range(2)]
+        assert all(greedy_token_ids(client, "ko-r2", PROMPT_IDS, N) == want for _ in range(6))
+        base = [greedy_token_ids(client, "tiny", PROMPT_IDS, N) for _ in range(2)]
         assert base[0] == base[1] != want
     finally:
         stop_all([proxy, with_it, without])

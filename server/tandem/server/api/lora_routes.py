@@ -30,13 +30,17 @@ from .state import get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)
 log = logging.getLogger("tandem.api")
-_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+# vLLM answers a load or unload with plain text; errors are the API's JSON
+_TEXT = {
+    200: {
+        "description": "Success",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 
 
-@router.post(
-    "/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES | _TEXT
-)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> str:
+@router.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES | _TEXT)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
     name, path = body.lora_name, body.lora_path
     if name in (state.model_name, "default") or name in state.engine.served_loras:
@@ -55,13 +59,13 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> s
     except Exception as exc:  # noqa: BLE001 - the engine's state (503) or a bug (500)
         raise api_error(exc) from exc
     log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
-    return f"Success: LoRA adapter '{name}' added successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post(
-    "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES | _TEXT
-)
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
+@router.post("/v1/unload_lora_adapter", responses=ERROR_RESPONSES | _TEXT)
+async def unload_lora_adapter(
+    body: UnloadLoraAdapterRequest, request: Request
+) -> PlainTextResponse:
     state = get_state(request)
     name = body.lora_name
     try:
@@ -76,4 +80,4 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) 
             code="model_not_found",
         )
     log.info("LoRA adapter %s unloaded", name)
-    return f"Success: LoRA adapter '{name}' removed successfully."
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -199,3 +199,16 @@ def test_lora_requests_info_names_running_and_waiting_adapters(server, client) -
         )
     assert all(f.result().choices[0].text is not None for f in futures)
     wait_until(lambda: _lora_info(server)["waiting_lora_adapters"] == "", what="done")
+
+
+def test_structured_output_n_and_streams_through_an_adapter(client: openai.OpenAI) -> None:
+    kw = dict(model="all-r8", prompt="Answer:", max_tokens=40, seed=1)
+    r = client.completions.create(n=2, extra_body={"guided_regex": r"[0-9]{3}"}, **kw)
+    assert [c.finish_reason for c in r.choices] == ["stop", "stop"]
+    assert all(len(c.text) == 3 and c.text.isdigit() for c in r.choices)
+    chunks = client.completions.create(
+        stream=True, extra_body={"guided_choice": ["alpha", "beta"]}, **kw
+    )
+    pieces = [(c.model, c.choices[0].text) for c in chunks if c.choices]
+    assert {m for m, _ in pieces} == {"all-r8"}
+    assert "".join(t for _, t in pieces) in ("alpha", "beta")

@@ -253,9 +253,8 @@ class LLMEngine:
         self.totals.preemptions += len(batch.preempted)
         if not batch.requests:
             return ready
-        slots = self.loras.activate(batch.requests) if self.loras is not None else None
         try:
-            logits, hidden, sampling = self.worker.execute(batch, slots)
+            logits, hidden, sampling = self._execute(batch)
         except BaseException:
             self.kv.pool.reset_prefix_cache()  # blocks published for this step were never written
             raise
@@ -264,6 +263,12 @@ class LLMEngine:
         if sampling:
             self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """Run the step on the device, through each request's LoRA adapter when it has one."""
+        if self.loras is None:
+            return self.worker.execute(batch)
+        return self.worker.execute(batch, self.loras.activate(batch.requests))
 
     def _take_samples(
         self, sampling: list[Request], out: SamplerOutput, report: dict[str, None]

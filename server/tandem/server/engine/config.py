@@ -61,7 +61,7 @@ class EngineConfig:
     # directories), how many may be resident (and used by the running requests) at once, and
     # the highest rank accepted. With enable_lora and no modules, adapters come by HTTP.
     enable_lora: bool = False
-    lora_modules: tuple[str, ...] = ()
+    lora_modules: tuple[str, ...] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
 
@@ -110,10 +110,11 @@ class EngineConfig:
     def _check_lora(self) -> None:
         _check(self.max_loras >= 1, "max_loras must be >= 1")
         _check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
-        names = [m.partition("=")[0] for m in self.lora_modules]
+        modules = self.lora_modules or ()
+        names = [m.partition("=")[0] for m in modules]
         _check(
-            all(n and p for n, _, p in (m.partition("=") for m in self.lora_modules)),
-            f"lora_modules takes name=path entries, got {list(self.lora_modules)}",
+            all(n and p for n, _, p in (m.partition("=") for m in modules)),
+            f"lora_modules takes name=path entries, got {list(modules)}",
         )
         _check(len(set(names)) == len(names), f"lora_modules names repeat: {names}")
         _check(
@@ -129,7 +130,7 @@ class EngineConfig:
     @property
     def lora_paths(self) -> dict[str, str]:
         """``lora_modules`` as name -> path."""
-        return dict(m.split("=", 1) for m in self.lora_modules)
+        return dict(m.split("=", 1) for m in self.lora_modules or ())
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

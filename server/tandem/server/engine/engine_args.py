@@ -26,7 +26,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
             )
-        elif typing.get_origin(hint) is tuple:  # a list of strings: --lora-modules a=x b=y
+        elif _is_tuple(hint):  # a list of strings: --lora-modules a=x b=y
             group.add_argument(flag, dest=f.name, nargs="+", default=None)
         else:
             group.add_argument(
@@ -38,6 +38,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 if typing.get_origin(hint) is typing.Literal
                 else None,
             )
+
+
+def _is_tuple(hint: object) -> bool:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args)
 
 
 def _scalar_type(hint: object) -> type:

@@ -339,6 +339,8 @@ class ModelRunner:
                 f"(device {self.device}, backend {self.backend.name})"
             )
         sizes = graph_batch_sizes(max_num_seqs)
+        if self.lora is not None:
+            self.lora.begin_step([], [])  # the graphs hold the base model only
         g = _Graphs(sizes, self.device)
         pool = None
         empty = StepInputs([], [], [], [], [], [], [])

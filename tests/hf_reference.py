@@ -39,3 +39,42 @@ def hf_greedy(
         )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     return tokens, torch.stack([lg[0] for lg in out.logits]).float()
+
+
+@lru_cache(maxsize=4)
+def peft_model(model_dir: str, adapters: tuple[tuple[str, str], ...]):
+    """The base model with every adapter (name, path) loaded by PEFT, float32."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    (first, path), *rest = adapters
+    model = peft.PeftModel.from_pretrained(base, path, adapter_name=first)
+    for name, path in rest:
+        model.load_adapter(path, adapter_name=name)
+    return model.eval()
+
+
+def peft_greedy(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    name: str | None,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+) -> list[int]:
+    """Greedy token ids of PEFT + transformers through adapter ``name`` (None: the base)."""
+    import contextlib
+
+    model = peft_model(str(model_dir), tuple((n, str(p)) for n, p in adapters.items()))
+    if name is not None:
+        model.set_adapter(name)
+    scope = model.disable_adapter() if name is None else contextlib.nullcontext()
+    with torch.no_grad(), scope:
+        out = model.generate(
+            input_ids=torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()

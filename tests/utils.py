@@ -314,3 +314,16 @@ def call_app(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
+
+
+def greedy_token_ids(client: Any, model: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy token ids of ``prompt_ids`` through ``model`` (an ``openai.OpenAI`` client;
+    the completion's ``token_ids`` extension), EOS ignored."""
+    out = client.completions.create(
+        model=model,
+        prompt=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return out.choices[0].model_extra["token_ids"]

@@ -172,3 +172,21 @@ def test_session_kv_fraction_reaches_the_engine_under_the_cli_flags_name() -> No
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="sessionKvFraction|session_kv_fraction"):
             isvc(engine={"sessionKvFraction": bad})
+
+
+def test_lora_engine_fields_map_onto_the_engines_flags() -> None:
+    """spec.engine's LoRA fields (lora.md) reach every engine as tandem serve's flags."""
+    from tandem.server.engine.engine_args import engine_config_from_args
+
+    spec = {
+        "enableLora": True,
+        "loraModules": ["sql=/adapters/sql", "chat=/adapters/chat"],
+        "maxLoras": 2,
+        "maxLoraRank": 32,
+        "extraArgs": ["--max-waiting-requests", "17"],
+    }
+    args = parse(plan(isvc(engine=spec)).role("decode").args)
+    config = engine_config_from_args(args, "/models/tiny")
+    assert config.lora_paths == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert (config.lora_enabled, config.max_loras, config.max_lora_rank) == (True, 2, 32)
+    assert args.max_waiting_requests == 17

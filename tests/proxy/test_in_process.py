@@ -49,6 +49,18 @@ def test_chunk_hashes_are_a_prefix_chain() -> None:
     assert c[1] != a[1]  # same chunk text after a different prefix hashes differently
 
 
+def test_an_adapters_chunks_chain_from_its_name() -> None:
+    """The proxy never expects an engine to hold a prefix computed through another LoRA
+    adapter (or the base): the engine's blocks are partitioned by adapter too."""
+    text = "a" * 64 + "b" * 64
+    base, sql, chat = (routing.chunk_hashes(text, root=r) for r in (b"", b"sql", b"chat"))
+    assert not {*base} & {*sql} and not {*sql} & {*chat}
+    assert routing.chunk_hashes(text, root=b"sql") == sql
+    idx = routing.PrefixIndex(chunk_chars=64)
+    idx.record("n1", sql)
+    assert idx.matched_chunks("n1", sql) == 2 and idx.matched_chunks("n1", base) == 0
+
+
 def test_prefix_index_matches_leading_chunks_and_is_bounded() -> None:
     idx = routing.PrefixIndex(capacity_per_node=3, chunk_chars=4)
     chunks = routing.chunk_hashes("aaaabbbbccccdddd", 4)

@@ -88,6 +88,8 @@ def type_schema(annotation: Any) -> dict[str, Any]:
     if origin is list:
         (item,) = typing.get_args(annotation)
         return {"type": "array", "items": type_schema(item)}
+    if origin is tuple and typing.get_args(annotation)[1:] == (...,):  # tuple[X, ...]
+        return {"type": "array", "items": type_schema(typing.get_args(annotation)[0])}
     if origin is dict:
         _, value = typing.get_args(annotation)
         if value is Any:

@@ -130,6 +130,8 @@ def engine_flags(isvc: InferenceService) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)] if value else []
         else:
             flags += [flag, str(value)]
     return flags

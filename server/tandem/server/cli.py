@@ -16,6 +16,10 @@ SUBCOMMANDS = {
         "tandem.server.engine.tiny_model_cli",
         "Write a small random-weight HF model",
     ),
+    "make-tiny-lora": (
+        "tandem.server.engine.tiny_lora_cli",
+        "Write a random PEFT LoRA adapter for a tiny model",
+    ),
     "generate": (
         "tandem.server.engine.generate_cli",
         "Generate offline from prompts with the engine",

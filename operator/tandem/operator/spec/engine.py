@@ -86,6 +86,17 @@ class EngineSpec(SpecModel):
         None,
         description="Embeddings and /pooling: the last token's hidden state, the mean, or the first (CLS)",
     )
+    enable_lora: bool | None = Field(
+        None, description="LoRA adapters may be loaded at run time (implied by loraModules)"
+    )
+    lora_modules: tuple[str, ...] | None = Field(
+        None,
+        description="LoRA adapters served from the start, each 'name=path' (a PEFT directory in the pod)",
+    )
+    max_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters resident (and used by running requests) at once"
+    )
+    max_lora_rank: int | None = Field(None, ge=1, description="The highest LoRA rank accepted")
     extra_args: list[str] = Field(
         default_factory=list, description="More 'tandem serve' flags, appended as given"
     )

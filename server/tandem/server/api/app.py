@@ -23,6 +23,7 @@ from . import (
     agent_apis,
     distserve_routes,
     embedding_routes,
+    lora_routes,
     native_routes,
     ollama,
     openai_routes,
@@ -124,6 +125,7 @@ def build_app(
     app.include_router(ops_routes.router, tags=["ops"])
     app.include_router(distserve_routes.router, tags=["distserve"])
     app.include_router(weights_routes.router, tags=["ops"])
+    app.include_router(lora_routes.router, tags=["ops"])
     app.add_middleware(JSONBodyGuard)  # inside auth: no body is read for an unknown caller
     if not settings.credentials.open:
         app.add_middleware(AuthMiddleware, credentials=settings.credentials)

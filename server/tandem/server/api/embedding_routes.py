@@ -68,6 +68,7 @@ async def _pool(
             stream=False,
             pooling=params,
             tenant=request_tenant(request),
+            lora=state.lora_of(model),
         )
         outs += await job.collect(request)
         if any(out.embedding is None for out in outs):  # aborted (/abort_request, weights)

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -101,6 +101,7 @@ class _Add:
     # The prefix-cache partition: the caller's key (tenancy.request_tenant) and cache_salt.
     tenant: str | None = None
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs through (None: the base model)
 
 
 @dataclass
@@ -195,6 +196,11 @@ class AsyncEngine:
             time.sleep(0.05)
         return self.state == READY
 
+    @property
+    def served_loras(self) -> Mapping[str, str]:
+        """The LoRA adapters served, name -> path (any thread; empty until loaded)."""
+        return self._engine.served_loras if self._engine is not None else {}
+
     # ----- the async face -----------------------------------------------------------------
     async def add_request(
         self,
@@ -210,9 +216,11 @@ class AsyncEngine:
         pooling: PoolingParams | None = None,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[int]:
         """Queue a request; outputs arrive on ``sink`` as ``(request_id, RequestOutput)``.
-        ``tenant`` and ``cache_salt`` name its prefix-cache partition (``InputProcessor``).
+        ``tenant`` and ``cache_salt`` name its prefix-cache partition (``InputProcessor``);
+        ``lora`` the adapter it runs through.
 
         Returns the prompt token ids once the engine accepted it; raises what
         ``LLMEngine.add_request`` raises, or ``QueueFullError`` / ``EngineNotReadyError``.
@@ -235,6 +243,7 @@ class AsyncEngine:
                     pooling,
                     tenant,
                     cache_salt,
+                    lora,
                 )
             )
             return await asyncio.wrap_future(fut)
@@ -428,6 +437,7 @@ class AsyncEngine:
                 pooling=cmd.pooling,
                 tenant=cmd.tenant,
                 cache_salt=cmd.cache_salt,
+                lora=cmd.lora,
             )
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             cmd.future.set_exception(exc)

@@ -271,12 +271,14 @@ async def submit(
     pooling: PoolingParams | None = None,
     tenant: str | None = None,
     cache_salt: str | None = None,
+    lora: str | None = None,
     client: Request | None = None,
 ) -> Job:
     """Add one engine request per prompt; if any is refused, abort the ones already added.
     With ``pooling`` each is an embedding (prefill-only; see ``LLMEngine.add_request``).
     ``tenant`` (``tenancy.request_tenant``) and ``cache_salt`` name the prefix-cache partition
-    its blocks are shared in, so one key never hits (or learns of) another's prompts.
+    its blocks are shared in, so one key never hits (or learns of) another's prompts; ``lora``
+    the adapter they run through (``ServerState.lora_of``).
     ``client``, when given, is watched while its grammar compiles (it may leave)."""
     state.check_admitting()
     if kv_transfer and len(prompts) != 1:
@@ -306,6 +308,7 @@ async def submit(
                 pooling=pooling,
                 tenant=tenant,
                 cache_salt=cache_salt,
+                lora=lora,
             )
             job.request_ids.append(rid)
     except BaseException as exc:

@@ -8,11 +8,14 @@ the same values plus latency histograms and token counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from tandem.server.engine.stats import EngineStats
 
 from .engine_loop import AsyncEngine
 
@@ -135,6 +138,22 @@ class _SnapshotCollector(Collector):
         )
         info.add_metric([str(s.block_size), str(s.total_blocks)], 1)
         yield info
+        if s.max_loras:
+            yield _lora_info(s)
+
+
+def _lora_info(s: EngineStats) -> GaugeMetricFamily:
+    """The Gateway API Inference Extension's LoRA metric, as vLLM exports it: the adapters
+    of the running and the waiting requests as comma-separated labels, the value the time
+    of the reading (a scraper keeps the newest series)."""
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    labels = [str(s.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)]
+    g.add_metric(labels, time.time())
+    return g
 
 
 class ServerMetrics:

@@ -72,6 +72,7 @@ def _generate_body(rid: str, out: Any, num_tokens: int, want_logprobs: bool) -> 
 async def generate(body: GenerateRequest, request: Request) -> Any:
     """A raw prompt (``prompt``) or token ids (``input_ids``); streamed as SSE deltas when ``stream``."""
     state = get_state(request)
+    model = state.check_model(body.model)
     if body.image_data is not None:
         raise APIError(
             400, "image inputs are not supported", param="image_data", code="unsupported_value"
@@ -95,6 +96,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         stream=bool(body.stream),
         session_id=tenancy.session_key(body.session_id, tenancy.request_owner(request)),
         tenant=tenancy.request_tenant(request),
+        lora=state.lora_of(model),
         client=request,
     )
     want = bool(body.return_logprob)
@@ -294,6 +296,7 @@ async def _ollama_run(
         params,
         stream=stream,
         tenant=tenancy.request_tenant(request),
+        lora=state.lora_of(model),
         client=request,
     )
     if stream:

@@ -18,8 +18,9 @@ router = APIRouter(route_class=ParsedJSONRoute)
 
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
-    """The served model (Ollama's local model list)."""
-    return {"models": [ollama_model(get_state(request).model_name)]}
+    """The served model and its LoRA adapters (Ollama's local model list)."""
+    state = get_state(request)
+    return {"models": [ollama_model(n) for n in [state.model_name, *state.engine.served_loras]]}
 
 
 @router.get("/api/ps")

@@ -65,15 +65,32 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     }
 
 
+def _adapter_card(state: ServerState, name: str, path: str) -> dict[str, Any]:
+    """A LoRA adapter, as vLLM lists one: its path as ``root``, the base as ``parent``."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tandem",
+        "root": path,
+        "parent": state.model_name,
+        "max_model_len": state.engine.info.get("max_model_len"),
+    }
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(get_state(request))]}
+    state = get_state(request)
+    adapters = [_adapter_card(state, n, p) for n, p in state.engine.served_loras.items()]
+    return {"object": "list", "data": [_model_card(state), *adapters]}
 
 
 @router.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """One model (the ``openai`` client's ``models.retrieve``); 404 for a name not served."""
     state = get_state(request)
+    if (path := state.engine.served_loras.get(model_id)) is not None:
+        return _adapter_card(state, model_id, path)
     if model_id != state.model_name:
         raise APIError(
             404, f"The model '{model_id}' does not exist", code="model_not_found", param="model"
@@ -108,7 +125,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         state, tokenize_text, state, text, "messages", add_special_tokens=False
     )
     request_id = new_id("chatcmpl", request)
-    job, created = await _submit(state, request, body, request_id, [prompt_ids], params, session)
+    job, created = await _submit(
+        state, request, body, model, request_id, [prompt_ids], params, session
+    )
     if conversation is not None:
         job.on_finish = lambda text: state.histories.record(session, conversation, text)
     if body.stream:
@@ -157,6 +176,7 @@ async def _submit(
     state: ServerState,
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
+    model: str,
     request_id: str,
     prompt_ids: list[list[int]],
     params: SamplingParams,
@@ -179,6 +199,7 @@ async def _submit(
         kv_transfer=kv,
         tenant=tenancy.request_tenant(request),
         cache_salt=body.cache_salt,
+        lora=state.lora_of(model),
         client=request,
     )
     return job, int(time.time())
@@ -334,7 +355,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(
             400, "a session takes a single prompt", param="session_id", code="invalid_value"
         )
-    job, created = await _submit(state, request, body, request_id, prompt_ids, params, session)
+    job, created = await _submit(
+        state, request, body, model, request_id, prompt_ids, params, session
+    )
     if body.stream:
         return _event_stream(
             _completion_stream(

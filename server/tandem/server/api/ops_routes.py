@@ -116,6 +116,7 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
         },
         "gpus": 0,
         "weights": weights_info(state),
+        "lora_adapters": list(state.engine.served_loras),
     }
     gpus = gpu_list()
     if gpus:

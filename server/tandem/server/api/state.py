@@ -98,9 +98,12 @@ class ServerState:
         return self.settings.served_model_name
 
     def check_model(self, name: str | None) -> str:
-        """The ``model`` field may be the served name, ``default``, or left out; anything else is a 404."""
+        """The ``model`` field may be the served name, ``default``, left out, or a LoRA
+        adapter's name (``lora_of``); anything else is a 404."""
         if name in (None, "", "default", self.settings.served_model_name):
             return self.settings.served_model_name
+        if name in self.engine.served_loras:
+            return name
         raise APIError(
             404,
             f"The model '{name}' does not exist; this server serves "
@@ -108,6 +111,10 @@ class ServerState:
             code="model_not_found",
             param="model",
         )
+
+    def lora_of(self, model: str) -> str | None:
+        """The adapter a checked ``model`` names (None: the base model)."""
+        return None if model == self.settings.served_model_name else model
 
     def check_admitting(self) -> None:
         """503 while loading, failed, asleep or draining for shutdown."""

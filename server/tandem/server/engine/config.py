@@ -57,6 +57,13 @@ class EngineConfig:
     # Embeddings and /pooling: the hidden state of the last token (a decoder LM's default, as
     # vLLM's), the mean over the prompt, or the first token's (CLS); see pooling.py.
     pooling: PoolingKind = "last"
+    # Multi-LoRA (docs/lora.md): adapters served from the start ("name=path", PEFT
+    # directories), how many may be resident (and used by the running requests) at once, and
+    # the highest rank accepted. With enable_lora and no modules, adapters come by HTTP.
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         _check(
@@ -98,6 +105,32 @@ class EngineConfig:
             self.prefix_cache_scope in get_args(PrefixCacheScope),
             f"prefix_cache_scope must be key or global, got {self.prefix_cache_scope!r}",
         )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _check(self.max_loras >= 1, "max_loras must be >= 1")
+        _check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        modules = self.lora_modules or ()
+        names = [m.partition("=")[0] for m in modules]
+        _check(
+            all(n and p for n, _, p in (m.partition("=") for m in modules)),
+            f"lora_modules takes name=path entries, got {list(modules)}",
+        )
+        _check(len(set(names)) == len(names), f"lora_modules names repeat: {names}")
+        _check(
+            not (self.lora_enabled and self.tensor_parallel_size > 1),
+            "LoRA adapters with tensor_parallel_size > 1 are not supported yet",
+        )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters may be served: asked for, or named at the start."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path."""
+        return dict(m.split("=", 1) for m in self.lora_modules or ())
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

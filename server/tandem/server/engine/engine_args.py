@@ -26,6 +26,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
             )
+        elif _is_tuple(hint):  # a list of strings: --lora-modules a=x b=y
+            group.add_argument(flag, dest=f.name, nargs="+", default=None)
         else:
             group.add_argument(
                 flag,
@@ -38,6 +40,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def _is_tuple(hint: object) -> bool:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return typing.get_origin(hint) is tuple or any(typing.get_origin(a) is tuple for a in args)
+
+
 def _scalar_type(hint: object) -> type:
     if typing.get_origin(hint) is typing.Literal:
         return str
@@ -48,8 +55,12 @@ def _scalar_type(hint: object) -> type:
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     """Only flags the user gave override the dataclass defaults."""
     given = {
-        f.name: getattr(args, f.name)
+        f.name: _field_value(getattr(args, f.name))
         for f in dataclasses.fields(EngineConfig)
         if f.name not in _SKIP and getattr(args, f.name, None) is not None
     }
     return EngineConfig(model=model, **given)
+
+
+def _field_value(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value

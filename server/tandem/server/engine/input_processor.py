@@ -20,10 +20,11 @@ import torch
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .limits import check_pooled, check_request
+from .lora.adapter import LoraAdapter
 from .models.config import ModelConfig, eos_token_ids
 from .pooling import PoolingParams, check_dimensions
 from .prefix_cache import ROOT_HASH, salted_root
-from .request import OutputState, PoolingState, Request, SamplingState, Timings
+from .request import OutputState, Partition, PoolingState, Request, SamplingState, Timings
 from .sampling_params import InvalidParamError, SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -48,21 +49,27 @@ class InputProcessor:
         self._arrival = itertools.count()
         self.prefix_cache_scope = config.prefix_cache_scope
         self._cache_root = ROOT_HASH
+        self._lora: LoraAdapter | None = None
 
     @contextlib.contextmanager
-    def cache_partition(self, tenant: str | None, cache_salt: str | None) -> Iterator[None]:
+    def cache_partition(
+        self, tenant: str | None, cache_salt: str | None, lora: LoraAdapter | None = None
+    ) -> Iterator[None]:
         """Requests made inside hit only prefix-cache blocks of the same partition: the
-        client key (``tenant``, unless ``prefix_cache_scope`` is ``global``) and the request's
-        ``cache_salt``, so ``cached_tokens`` never reveals another tenant's prompt. Requests
-        with neither share one partition. The server's loop wraps each add in it."""
+        client key (``tenant``, unless ``prefix_cache_scope`` is ``global``), the request's
+        ``cache_salt`` and its LoRA adapter (``lora``, which they also run through: KV
+        computed through one adapter is another's wrong KV), so ``cached_tokens`` never
+        reveals another tenant's prompt. Requests with none share one partition. The
+        server's loop wraps each add in it."""
         if self.prefix_cache_scope == "global":
             tenant = None
-        salt = None if tenant is None and cache_salt is None else json.dumps([tenant, cache_salt])
-        self._cache_root = salted_root(salt)
+        parts: list[str | None] = [tenant, cache_salt] + ([lora.identity] if lora else [])
+        self._cache_root = salted_root(None if parts == [None, None] else json.dumps(parts))
+        self._lora = lora
         try:
             yield
         finally:
-            self._cache_root = ROOT_HASH
+            self._cache_root, self._lora = ROOT_HASH, None
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
@@ -105,7 +112,7 @@ class InputProcessor:
             group_id=request_id,
             times=Timings(arrival=time.monotonic()),
             pooling=PoolingState(pooling.resolve(self.default_pooling)),
-            cache_root=self._cache_root,
+            partition=Partition(self._cache_root, self._lora),
         )
 
     def _request(
@@ -132,5 +139,5 @@ class InputProcessor:
             group_id=request_id,
             output=OutputState(index=index, stream=stream, detokenizer=detokenizer),
             times=Timings(arrival=time.monotonic()),
-            cache_root=self._cache_root,
+            partition=Partition(self._cache_root, self._lora),
         )

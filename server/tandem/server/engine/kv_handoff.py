@@ -81,6 +81,20 @@ class KVHandoff:
         return params, HandoffState(remote_decode, remote)
 
     # ----- prefill side -------------------------------------------------------------------
+    @staticmethod
+    def check_lora(kv_transfer: dict[str, Any] | None, lora: str | None) -> None:
+        """A decode request runs through the LoRA adapter its prefill ran through: the KV it
+        pulls was computed by that adapter, and another's (or the base's) would be wrong."""
+        if not kv_transfer or not kv_transfer.get("do_remote_prefill"):
+            return
+        prefilled = kv_transfer.get("lora_name")
+        if prefilled != lora:
+            raise InvalidParamError(
+                "kv_transfer_params",
+                f"the prefill ran through LoRA adapter {prefilled!r}, this request names "
+                f"{lora!r}: the model must be the same on both engines",
+            )
+
     def grant_lease(self, req: Request) -> None:
         """The finished prompt's blocks stay held for the decode engine's pull."""
         lease_id = self.leases.grant(req.block_ids)
@@ -92,6 +106,7 @@ class KVHandoff:
             self.address,
             req.output_token_ids[:1],
             self.config.kv_lease_seconds,
+            req.lora.name if req.lora is not None else None,
         )
         req.block_ids, req.block_hashes = [], []
 

@@ -118,8 +118,12 @@ def handoff_params(
     address: str | None,
     first_token_ids: list[int],
     lease_seconds: float,
+    lora_name: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    """The handle a prefill hands out; ``lora_name``, the adapter its KV was computed
+    through, which the decode request must name too (``KVHandoff.check_lora``), is there
+    only for an adapter's prefill."""
+    params = {
         "do_remote_prefill": True,
         "remote_engine_id": engine_id,
         "remote_block_ids": block_ids,
@@ -129,3 +133,4 @@ def handoff_params(
         "first_token_ids": first_token_ids,
         "lease_expires_in": lease_seconds,
     }
+    return params if lora_name is None else {**params, "lora_name": lora_name}

@@ -36,20 +36,25 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
         A prompt is a string or a list of token ids; a flat list of ints is one prompt.
+        ``lora`` names the adapter of every prompt, or of each (None: the base model).
         """
         batch = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(params_list) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
+        loras = [lora] * len(batch) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(loras)} adapters")
         ids = []
-        for prompt, p in zip(batch, params_list):
+        for prompt, p, name in zip(batch, params_list, loras):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, lora=name)
             ids.append(rid)
         return self._run(ids)
 

@@ -11,7 +11,9 @@ for its engine core, so the parts can change without touching the server.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 
 import torch
@@ -24,6 +26,8 @@ from .kv_handoff import KVHandoff
 from .kv_transfer import KVLayout, PullTask
 from .limits import max_model_len
 from .loader import read_model_config
+from .lora.adapter import LoraAdapter, LoraLoadError
+from .lora.registry import LoraRegistry, adapter_names
 from .memory import DeviceMemory
 from .output_processor import add_text, finish_text, group_output
 from .outputs import RequestOutput
@@ -72,6 +76,20 @@ class LLMEngine:
         )
         self._groups: dict[str, list[Request]] = {}
         self.totals = Totals()
+        self.loras = self._lora_registry()
+
+    def _lora_registry(self) -> LoraRegistry | None:
+        """Multi-LoRA (``lora/``): the adapters named at the start, checked before serving."""
+        if not self.config.lora_enabled:
+            return None
+        cfg = self.config
+        loras = LoraRegistry(
+            self.model_config, cfg.max_loras, cfg.max_lora_rank, self.worker.load_lora
+        )
+        for name, path in cfg.lora_paths.items():
+            loras.add(loras.read(name, path))
+        self.scheduler.admissible = loras.admissible
+        return loras
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(
@@ -86,6 +104,7 @@ class LLMEngine:
         pooling: PoolingParams | None = None,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidParamError on bad input.
 
@@ -99,11 +118,14 @@ class LLMEngine:
         is computed, its output carries the vector and its blocks go back to the pool.
         ``tenant`` (the caller's key) and ``cache_salt`` name its prefix-cache partition: it
         hits only blocks cached under the same ones (``InputProcessor.cache_partition``).
+        ``lora`` names the adapter it runs through (``load_lora``; None: the base model).
         """
         self.memory.check_awake()
+        adapter = self._adapter(lora)
+        self.handoff.check_lora(kv_transfer, lora)
         if request_id in self._groups:
             raise InvalidParamError("request_id", f"request id {request_id!r} is already in use")
-        with self.inputs.cache_partition(tenant, cache_salt):
+        with self.inputs.cache_partition(tenant, cache_salt, adapter):
             if pooling is not None:
                 return self._add_pooled(request_id, prompt, params, pooling)
             return self._add_group(request_id, prompt, params, stream, session_id, kv_transfer)
@@ -232,7 +254,7 @@ class LLMEngine:
         if not batch.requests:
             return ready
         try:
-            logits, hidden, sampling = self.worker.execute(batch)
+            logits, hidden, sampling = self._execute(batch)
         except BaseException:
             self.kv.pool.reset_prefix_cache()  # blocks published for this step were never written
             raise
@@ -241,6 +263,12 @@ class LLMEngine:
         if sampling:
             self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """Run the step on the device, through each request's LoRA adapter when it has one."""
+        if self.loras is None:
+            return self.worker.execute(batch)
+        return self.worker.execute(batch, self.loras.activate(batch.requests))
 
     def _take_samples(
         self, sampling: list[Request], out: SamplerOutput, report: dict[str, None]
@@ -366,6 +394,37 @@ class LLMEngine:
         """Forget a session and free its blocks now; False if there is none."""
         return self.sessions.delete(session_id)
 
+    # ----- the host's face: LoRA adapters (docs/lora.md) ------------------------------------
+    def _adapter(self, name: str | None) -> LoraAdapter | None:
+        if name is None:
+            return None
+        adapter = self.loras.get(name) if self.loras is not None else None
+        if adapter is None:
+            raise InvalidParamError("model", f"no LoRA adapter named {name!r} is loaded")
+        return adapter
+
+    @property
+    def served_loras(self) -> Mapping[str, str]:
+        """The adapters served, name -> path (any thread: replaced whole on each change)."""
+        return self.loras.served if self.loras is not None else {}
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter (any thread: it changes nothing); ``LoraLoadError``
+        says what does not fit. ``add_lora`` then serves it."""
+        if self.loras is None:
+            raise LoraLoadError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.loras.read(name, path)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` under its name (the engine thread)."""
+        if self.loras is None:
+            raise LoraLoadError("LoRA is not enabled on this engine (--enable-lora)")
+        self.loras.add(adapter)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving ``name``; its requests in flight finish through it."""
+        return self.loras.remove(name) if self.loras is not None else False
+
     # ----- device memory (docs: engine/memory.py) -----------------------------------------
     @property
     def is_sleeping(self) -> bool:
@@ -390,6 +449,14 @@ class LLMEngine:
         self.grammars.close()
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(
+        stats = EngineStats.of(
             self.kv, self.scheduler, len(self.sessions), self.handoff, self.is_sleeping, self.totals
+        )
+        if self.loras is None:
+            return stats
+        return dataclasses.replace(
+            stats,
+            max_loras=self.loras.max_loras,
+            running_loras=tuple(adapter_names(self.scheduler.running)),
+            waiting_loras=tuple(adapter_names(self.scheduler.waiting)),
         )

@@ -38,6 +38,7 @@ from .config import ConfigError, EngineConfig
 from .kv_cache import KVCache
 from .limits import max_model_len
 from .loader import load_model, reload_weights, resolve_dtype
+from .lora.layers import LoraLayers
 from .models.config import ModelConfig
 from .parallel import SINGLE, TensorParallel
 from .pooling import rows_read
@@ -65,9 +66,12 @@ class StepInputs(SeqShape):
     block_tables: list[list[int]]
     logits_rows: list[int]  # flat rows whose logits are sampled
     hidden_rows: list[int] = field(default_factory=list)  # flat rows pooled requests read
+    lora_slots: list[int] = field(default_factory=list)  # per sequence; -1: the base model
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Request]]:
+def prepare_inputs(
+    batch: ScheduledBatch, block_size: int, lora_slots: list[int] | None = None
+) -> tuple[StepInputs, list[Request]]:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -101,6 +105,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, 
         [list(r.block_ids) for r in batch.requests],
         logits_rows,
         hidden_rows,
+        lora_slots or [],
     )
     return inputs, sampling
 
@@ -176,6 +181,11 @@ class ModelRunner:
         self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
         self.quantized = config.quantized_weights == "auto"
         self.model = load_model(config.model, self.dtype, device, tp, self.quantized)
+        self.lora = (
+            LoraLayers(config.max_loras, device, self.dtype) if config.lora_enabled else None
+        )
+        if self.lora is not None:
+            self.lora.attach(self.model)
         self.num_blocks = self._agree(self._num_kv_blocks())
         self.kv_cache = KVCache(
             model_config, self.num_blocks, config.block_size, self.dtype, device, num_kv_heads
@@ -248,6 +258,8 @@ class ModelRunner:
             self.model = load_model(
                 self.weights_path, self.dtype, self.device, self.tp, self.quantized
             )
+            if self.lora is not None:
+                self.lora.attach(self.model)
         elif self.device.type == "cuda":
             self.model.to(self.device)
         self.kv_cache.restore()
@@ -285,6 +297,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
         )
         step = self.backend.plan(layout)
+        if self.lora is not None:
+            self.lora.begin_step(inputs.lora_slots, inputs.query_lens)
         return self.model(
             torch.tensor(inputs.input_ids, dtype=torch.int64, device=dev),
             torch.tensor(inputs.positions, dtype=torch.int64, device=dev),
@@ -297,8 +311,8 @@ class ModelRunner:
         return list(self._graphs.sizes) if self._graphs else []
 
     def _graph_size(self, inputs: StepInputs) -> int | None:
-        if self._graphs is None or not inputs.is_decode:
-            return None
+        if self._graphs is None or not inputs.is_decode or any(s >= 0 for s in inputs.lora_slots):
+            return None  # adapters run eagerly: the graphs hold the base model only
         return pick_graph_size(inputs.num_seqs, self._graphs.sizes)
 
     def _capture_graphs(self) -> None:
@@ -325,6 +339,8 @@ class ModelRunner:
                 f"(device {self.device}, backend {self.backend.name})"
             )
         sizes = graph_batch_sizes(max_num_seqs)
+        if self.lora is not None:
+            self.lora.begin_step([], [])  # the graphs hold the base model only
         g = _Graphs(sizes, self.device)
         pool = None
         empty = StepInputs([], [], [], [], [], [], [])

@@ -16,6 +16,7 @@ from .prefix_cache import ROOT_HASH
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .lora.adapter import LoraAdapter
     from .pooling import PoolingParams
     from .structured import SequenceGrammar
 
@@ -104,6 +105,16 @@ class PoolingState:
     vector: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """Whose KV a request computes: the prefix-cache root its block hashes start from (its
+    tenant, ``cache_salt`` and LoRA adapter: ``InputProcessor.cache_partition``) and the
+    adapter it runs through, which the step reads (None: the base model)."""
+
+    root: int = ROOT_HASH
+    lora: LoraAdapter | None = None
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. A request with ``n > 1`` becomes ``n`` of these (a group).
@@ -123,8 +134,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    # The prefix cache partition (tenant and cache_salt) its block hashes start from.
-    cache_root: int = ROOT_HASH
+    partition: Partition = field(default_factory=lambda: Partition())
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -135,6 +145,16 @@ class Request:
     times: Timings = field(default_factory=Timings)
     handoff: HandoffState | None = None  # only a disaggregated request has one
     pooling: PoolingState | None = None  # only a pooled request has one
+
+    @property
+    def cache_root(self) -> int:
+        """The prefix-cache root its block hashes start from."""
+        return self.partition.root
+
+    @property
+    def lora(self) -> LoraAdapter | None:
+        """The LoRA adapter it runs through (None: the base model)."""
+        return self.partition.lora
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ requests are preempted (their blocks freed, recomputed later, mostly from the pr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
@@ -41,6 +42,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Whether a waiting request may join the running ones (multi-LoRA: at most max_loras
+        # adapters at once); one that may not is skipped and keeps its place in the queue.
+        self.admissible: Callable[[Request, list[Request]], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -94,8 +98,18 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        skipped: list[Request] = []
+        try:
+            self._admit_in_order(batch, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_in_order(self, batch: ScheduledBatch, budget: int, skipped: list[Request]) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self.admissible is not None and not self.admissible(req, self.running):
+                skipped.append(self.waiting.popleft())
+                continue
             if len(self.running) + 1 + len(req.pending_siblings) > self.max_num_seqs:
                 break
             # A request that already holds blocks (a session's turn) starts after them; one

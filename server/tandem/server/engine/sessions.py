@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
-from .prefix_cache import chain_hashes
+from .prefix_cache import ROOT_HASH, chain_hashes
 from .request import Request
 from .sampling_params import InvalidParamError
 
@@ -48,6 +48,7 @@ class Session:
     owner: str = ""
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the blocks hold
     block_ids: list[int] = field(default_factory=list)
+    cache_root: int = ROOT_HASH  # the partition (tenant, salt, adapter) the blocks were made in
     busy: bool = False
     last_used: float = 0.0  # on the store's clock
 
@@ -84,7 +85,10 @@ class SessionStore:
         s.last_used = self._clock()
         self.held_blocks -= len(s.block_ids)
         bs = self.kv.block_size
-        common = _common_prefix(s.token_ids, req.prompt_token_ids, limit=req.num_prompt_tokens - 1)
+        # KV made in another partition (another adapter's) is not this turn's prefix
+        same = s.cache_root == req.cache_root
+        limit = req.num_prompt_tokens - 1 if same else 0
+        common = _common_prefix(s.token_ids, req.prompt_token_ids, limit=limit)
         keep = -(-common // bs)
         if common % bs and self.kv.pool.ref_count(s.block_ids[keep - 1]) > 1:
             keep -= 1  # the partly matching block is shared: recompute it rather than overwrite it
@@ -109,6 +113,7 @@ class SessionStore:
         if keep_blocks:
             s.token_ids = req.token_slice(0, req.num_computed_tokens)
             s.block_ids = req.block_ids
+            s.cache_root = req.cache_root
             req.block_ids, req.block_hashes = [], []
         else:
             self.kv.free(req)  # an aborted turn: the session's history went with it

@@ -36,6 +36,10 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_leases: int = 0
     num_pulling: int = 0
+    # Multi-LoRA (0 and empty without it): the adapters of the running and the waiting requests
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_utilization(self) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import EngineConfig
+from .lora.adapter import LoraAdapter
 from .model_runner import ModelRunner, prepare_inputs
 from .models.config import ModelConfig
 from .parallel import SINGLE, rank_device
@@ -43,13 +44,21 @@ class Worker:
                 self._ranks = None
             raise
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
-        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests."""
-        inputs, sampling = prepare_inputs(batch, self.config.block_size)
+    def execute(
+        self, batch: ScheduledBatch, lora_slots: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests
+        (``lora_slots``: each request's adapter slot, -1 for the base model)."""
+        inputs, sampling = prepare_inputs(batch, self.config.block_size, lora_slots)
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
         logits, hidden = self.runner.run_pooled(inputs)
         return logits, hidden, sampling
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Make ``adapter`` resident in ``slot`` (LoRA is single-rank: ``EngineConfig`` checks)."""
+        assert self.runner.lora is not None
+        self.runner.lora.load(slot, adapter)
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(seed)

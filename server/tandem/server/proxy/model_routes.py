@@ -26,7 +26,13 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
             code="model_not_found",
             param="model",
         )
-    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "tandem"}
+    return _card(model_id, state.created, state.registry.adapter_parents())
+
+
+def _card(name: str, created: int, parents: dict[str, str]) -> dict[str, Any]:
+    """A model's entry; a LoRA adapter's names its base as ``parent``, as the engine's does."""
+    card = {"id": name, "object": "model", "created": created, "owned_by": "tandem"}
+    return card if name not in parents else {**card, "parent": parents[name]}
 
 
 @router.get("/api/tags")
@@ -50,10 +56,8 @@ async def ollama_version() -> dict[str, str]:
 async def models(request: Request) -> dict[str, Any]:
     """Every model some healthy engine serves."""
     state = get_state(request)
+    parents = state.registry.adapter_parents()
     return {
         "object": "list",
-        "data": [
-            {"id": m, "object": "model", "created": state.created, "owned_by": "tandem"}
-            for m in state.registry.models()
-        ],
+        "data": [_card(m, state.created, parents) for m in state.registry.models()],
     }

@@ -264,7 +264,9 @@ class PDFlow:
         if not decoders:
             self._raise_unroutable(model)
         text = routing.prompt_text(kind, body)
-        chunks = routing.chunk_hashes(text, self.prefix.chunk_chars)
+        adapter = model if model in self.registry.adapter_parents() else None
+        root = b"lora\0" + adapter.encode() if adapter else b""
+        chunks = routing.chunk_hashes(text, self.prefix.chunk_chars, root)
         prompt_tokens = routing.estimate_tokens(kind, body, text)
 
         session = body.get("session_id")

@@ -81,6 +81,7 @@ class Node:
     url: str
     role: str
     models: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)  # its LoRA adapters (its /health says)
     source: str = "registered"  # "static" | "registered" | "kubernetes"
     kv_layout: str | None = None
     """Hash of the engine's KV-layout settings (Kubernetes discovery reads it from the pod):
@@ -125,13 +126,17 @@ class Node:
         return STALLED if self.stalled else DEAD
 
     def serves(self, model: str | None) -> bool:
-        """A node that lists no models serves whatever it is asked (Kubernetes discovery)."""
-        return model in (None, "", "default") or not self.models or model in self.models
+        """A node that lists no models serves whatever it is asked (Kubernetes discovery); a
+        LoRA adapter's requests go only to the nodes that have it loaded."""
+        if model in (None, "", "default") or model in self.models or model in self.adapters:
+            return True
+        return not self.models
 
     def status(self) -> dict[str, Any]:
         """The node's entry in ``/nodes/status`` (LMDeploy's fields plus Tandem's)."""
         return {
             "models": list(self.models),
+            "lora_adapters": list(self.adapters),
             "role": self.role_id,
             "role_name": self.role,
             "unfinished": self.inflight,
@@ -252,13 +257,22 @@ class Registry:
         return self._clock()
 
     def models(self) -> list[str]:
-        """Every model name a healthy node serves, in first-seen order."""
+        """Every model name a healthy node serves, LoRA adapters included, in first-seen order."""
         seen: dict[str, None] = {}
         for n in self._nodes.values():
             if n.healthy:
-                for m in n.models:
+                for m in [*n.models, *n.adapters]:
                     seen.setdefault(m, None)
         return list(seen)
+
+    def adapter_parents(self) -> dict[str, str]:
+        """Each LoRA adapter a healthy node serves -> the base model it adapts."""
+        return {
+            a: n.models[0]
+            for n in self._nodes.values()
+            if n.healthy and n.models
+            for a in n.adapters
+        }
 
     # --- health -----------------------------------------------------------------------------
     def record_health(
@@ -290,6 +304,9 @@ class Registry:
             model = body.get("model")
             if isinstance(model, str) and model and not node.models:
                 node.models = [model]
+            adapters = body.get("lora_adapters")
+            if isinstance(adapters, list):
+                node.adapters = [a for a in adapters if isinstance(a, str)]
         if status_code == 200:
             if not node.healthy:
                 log.info("node healthy: %s", node.url)

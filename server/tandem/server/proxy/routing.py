@@ -84,14 +84,16 @@ def estimate_tokens(kind: str, body: dict[str, Any], text: str | None = None) ->
     return n
 
 
-def chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS) -> list[bytes]:
-    """A hash chain over the text's full ``chunk_chars``-character chunks.
+def chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS, root: bytes = b"") -> list[bytes]:
+    """A hash chain over the text's full ``chunk_chars``-character chunks, from ``root``.
 
     Each hash covers everything before it, so equal hashes at position i mean equal
-    prefixes of ``(i + 1) * chunk_chars`` characters, as the engine's block hashes do.
+    prefixes of ``(i + 1) * chunk_chars`` characters, as the engine's block hashes do. A
+    LoRA adapter's requests chain from its name (``root``), as the engine's blocks chain
+    from the adapter: an engine holds no prefix computed through another adapter.
     """
     out: list[bytes] = []
-    parent = b""
+    parent = root
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
         parent = hashlib.blake2b(
             parent + text[start : start + chunk_chars].encode(), digest_size=12

@@ -34,7 +34,17 @@ from .errors import APIError, send_error
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Engine routes that administer the server or the P/D plane, never a client's business.
 ENGINE_ADMIN_PATHS = frozenset(
-    {"/terminate", "/sleep", "/wakeup", "/pause", "/resume", "/update_weights", "/abort_request"}
+    {
+        "/terminate",
+        "/sleep",
+        "/wakeup",
+        "/pause",
+        "/resume",
+        "/update_weights",
+        "/abort_request",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
 )
 ENGINE_ADMIN_PREFIXES = ("/distserve/",)
 PROXY_ADMIN_PATHS: frozenset[str] = frozenset({"/abort_request", "/update_weights"})

@@ -210,6 +210,7 @@ class GenerateRequest(APIModel):
         }
     )
 
+    model: str | None = None  # the served model or one of its LoRA adapters
     prompt: Text | None = None
     input_ids: PromptIds | None = None
     session_id: SessionId | None = -1
@@ -414,6 +415,7 @@ class ModelCard(StrictOut):
     root: str | None = None
     max_model_len: int | None = None
     weights: WeightsInfo | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(StrictOut):
@@ -442,6 +444,7 @@ class HealthResponse(StrictOut):
     gpu_memory_used: str | None = None
     gpu_memory_total: str | None = None
     weights: WeightsInfo | None = None
+    lora_adapters: list[str] = []  # the LoRA adapters it serves (the proxy routes by them)
 
 
 class GenerateMetaInfo(StrictOut):
@@ -559,6 +562,24 @@ class UpdateWeightsRequest(APIModel):
     model: str | None = None  # the served model it is for (the proxy picks engines by it)
     serialized_named_tensors: str | list[str] | dict[str, Any] | None = None  # LMDeploy's; refused
     finished: bool = False  # LMDeploy's; the update applies at once
+
+
+LoraName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s,]+$")]
+
+
+class LoadLoraAdapterRequest(APIModel):
+    """vLLM's ``/v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` (on the
+    server) as the model ``lora_name``."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(APIModel):
+    """vLLM's ``/v1/unload_lora_adapter``."""
+
+    lora_name: LoraName
+    lora_int_id: int | None = None  # vLLM's; adapters are named here
 
 
 class UpdateWeightsResponse(StrictOut):

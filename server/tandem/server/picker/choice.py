@@ -127,7 +127,8 @@ class Picker:
             held.inflight += 1
             return Route(held, endpoint_of(held.url))
         text = routing.prompt_text(kind, request)
-        chunks = routing.chunk_hashes(text, self.prefix.chunk_chars)
+        root = routing.chain_root(model, self.registry.adapter_parents())
+        chunks = routing.chunk_hashes(text, self.prefix.chunk_chars, root)
         prompt_tokens = routing.estimate_tokens(kind, request, text)
         prefillers = self._allowed(PREFILL_ROLES, model, subset)
         plan = routing.plan(

@@ -264,8 +264,7 @@ class PDFlow:
         if not decoders:
             self._raise_unroutable(model)
         text = routing.prompt_text(kind, body)
-        adapter = model if model in self.registry.adapter_parents() else None
-        root = b"lora\0" + adapter.encode() if adapter else b""
+        root = routing.chain_root(model, self.registry.adapter_parents())
         chunks = routing.chunk_hashes(text, self.prefix.chunk_chars, root)
         prompt_tokens = routing.estimate_tokens(kind, body, text)
 

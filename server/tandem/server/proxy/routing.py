@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -82,6 +82,12 @@ def estimate_tokens(kind: str, body: dict[str, Any], text: str | None = None) ->
     if kind in ("chat", "ollama_chat"):
         n += TOKENS_PER_MESSAGE * len(body.get("messages") or [])
     return n
+
+
+def chain_root(model: str | None, adapters: Collection[str]) -> bytes:
+    """Where a request's chunk chain starts: a LoRA adapter's from its name, so no two
+    adapters (nor an adapter and the base) ever share a prefix, as on the engine."""
+    return b"lora\0" + model.encode() if model is not None and model in adapters else b""
 
 
 def chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS, root: bytes = b"") -> list[bytes]:

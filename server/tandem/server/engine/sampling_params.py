@@ -42,6 +42,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's, with this many top ones
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # the grammar the output must match (structured.py)
 
@@ -102,6 +103,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _require(

@@ -11,6 +11,8 @@ engine sees one device either way.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .config import EngineConfig
@@ -18,6 +20,7 @@ from .model_runner import ModelRunner, prepare_inputs
 from .models.config import ModelConfig
 from .parallel import SINGLE, rank_device
 from .parallel.launch import RankGroup
+from .prompt_logprobs import fold_prompt_logprobs, prompt_spans, span_rows
 from .request import Request
 from .sampler import draw_uniform
 from .scheduler import ScheduledBatch
@@ -44,11 +47,18 @@ class Worker:
             raise
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
-        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests."""
+        """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests;
+        prompt logprobs (``prompt_logprobs.py``) are folded into their requests here."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size)
+        spans = prompt_spans(batch)
+        if spans:
+            inputs = replace(inputs, logits_rows=inputs.logits_rows + span_rows(spans))
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
         logits, hidden = self.runner.run_pooled(inputs)
+        if spans:
+            fold_prompt_logprobs(spans, logits[len(sampling) :])
+            logits = logits[: len(sampling)]
         return logits, hidden, sampling
 
     def new_generator(self, seed: int) -> torch.Generator:

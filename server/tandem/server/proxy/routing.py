@@ -234,8 +234,8 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
     """Why this request must run on one engine, or None when P/D can serve it.
 
     The two-step flow hands one sequence's KV from one prefill to one decode: several
-    choices or prompts, and per-token logprobs of the first token (computed on the prefill
-    side), stay on one engine.
+    choices or prompts, per-token logprobs of the first token and prompt logprobs (both
+    computed on the prefill side), stay on one engine.
     """
     if kind not in ("chat", "completions"):
         return NOT_HANDED_OFF.get(kind, "no generation")
@@ -247,6 +247,8 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
         return "best_of > 1"
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
         return "logprobs"
+    if body.get("prompt_logprobs") is not None:  # the prompt's logits are the prefill's
+        return "prompt_logprobs"
     if kind == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):

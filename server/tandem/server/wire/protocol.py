@@ -146,6 +146,11 @@ class SamplingFields(APIModel):
         "requests with the same salt (and key) share cached blocks (docs/security.md)",
     )
     return_token_ids: bool | None = False
+    prompt_logprobs: LogprobCount | None = Field(
+        default=None,
+        description="vLLM's: each prompt token's logprob, with this many most likely tokens "
+        "(the first token has none)",
+    )
     user: str | None = None
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None

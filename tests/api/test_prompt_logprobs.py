@@ -47,7 +47,9 @@ def test_echo_with_logprobs_is_the_prompt_then_the_completion(front, reference) 
         for p in range(1, len(ids)):
             assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < TOL
             assert len(lp.top_logprobs[p]) <= 2
-            assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1].max().item(), abs=TOL)
+            assert max(lp.top_logprobs[p].values()) == pytest.approx(
+                ref[p - 1].max().item(), abs=TOL
+            )
         # the first generated token's logprob follows the whole prompt
         assert abs(lp.token_logprobs[len(ids)] - ref[-1].max().item()) < TOL
         assert lp.text_offset == sorted(lp.text_offset)
@@ -98,5 +100,8 @@ def test_bad_prompt_logprobs_are_400(front) -> None:
         assert r.status_code == 400, (bad, r.text)
     with pytest.raises(openai.BadRequestError):
         openai_client(*front).completions.create(
-            model="tiny", prompt="hi", max_tokens=1, extra_body={"prompt_logprobs": 1, "session_id": "s"}
+            model="tiny",
+            prompt="hi",
+            max_tokens=1,
+            extra_body={"prompt_logprobs": 1, "session_id": "s"},
         )

@@ -116,6 +116,7 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
         },
         "gpus": 0,
         "weights": weights_info(state),
+        "details": state.engine.info.get("details"),  # what the weights are (Ollama's tags)
     }
     gpus = gpu_list()
     if gpus:

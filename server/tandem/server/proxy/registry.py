@@ -94,6 +94,7 @@ class Node:
     active: int = 0  # the engine's reported running requests
     free_blocks: int | None = None
     total_blocks: int | None = None
+    details: dict[str, Any] | None = None  # its /health's description of its weights
     added_at: float = 0.0
     last_error: str | None = None
     last_status: str | None = None
@@ -259,6 +260,13 @@ class Registry:
                     seen.setdefault(m, None)
         return list(seen)
 
+    def model_details(self, model: str) -> dict[str, Any] | None:
+        """What the weights of ``model`` are, as the first healthy engine serving it says."""
+        for n in self._nodes.values():
+            if n.healthy and model in n.models and n.details:
+                return n.details
+        return None
+
     # --- health -----------------------------------------------------------------------------
     def record_health(
         self,
@@ -280,6 +288,8 @@ class Registry:
             if isinstance(pool, dict):
                 node.free_blocks = _int(pool.get("free_blocks"), node.free_blocks)
                 node.total_blocks = _int(pool.get("total_blocks"), node.total_blocks)
+            if isinstance(body.get("details"), dict):
+                node.details = body["details"]
             role = body.get("role")
             if role is not None:
                 try:

@@ -65,7 +65,13 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
     return ""
 
 
-_PROMPT_FIELD = {"embeddings": "input", "pooling": "input", "encode": "input", "generate": "prompt"}
+_PROMPT_FIELD = {
+    "embeddings": "input",
+    "pooling": "input",
+    "encode": "input",
+    "generate": "prompt",
+    "ollama_embed": "input",
+}
 
 
 def estimate_tokens(kind: str, body: dict[str, Any], text: str | None = None) -> int:

@@ -314,6 +314,35 @@ class OllamaShowRequest(APIModel):
     name: str | None = None  # the field's older name
 
 
+class OllamaEmbedRequest(APIModel):
+    """Ollama's ``/api/embed``: one L2-normalised vector per input."""
+
+    model: str | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+    truncate: bool | None = True
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    options: OllamaOptions | None = None
+    keep_alive: str | int | None = None
+
+
+class OllamaEmbeddingsRequest(APIModel):
+    """Ollama's older ``/api/embeddings``: one vector for ``prompt``, not normalised."""
+
+    model: str | None = None
+    prompt: Text
+    options: OllamaOptions | None = None
+    keep_alive: str | int | None = None
+
+
+class OllamaPullRequest(APIModel):
+    """Ollama's ``/api/pull``: fetch a model Tandem knows into the cache."""
+
+    model: str | None = None
+    name: str | None = None  # the field's older name
+    insecure: bool | None = False
+    stream: bool | None = True
+
+
 class TokenizeRequest(APIModel):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
 
@@ -432,6 +461,17 @@ class BlockPoolInfo(StrictOut):
     utilization: float
 
 
+class ModelDetailsInfo(StrictOut):
+    """What the served weights are (``engine/model_details.py``; Ollama's ``/api/tags``)."""
+
+    format: str
+    family: str
+    parameter_count: int
+    parameter_size: str
+    quantization_level: str
+    size: int
+
+
 class HealthResponse(StrictOut):
     status: str
     model: str
@@ -447,6 +487,7 @@ class HealthResponse(StrictOut):
     gpu_memory_used: str | None = None
     gpu_memory_total: str | None = None
     weights: WeightsInfo | None = None
+    details: ModelDetailsInfo | None = None
 
 
 class GenerateMetaInfo(StrictOut):

@@ -13,13 +13,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def reserve_port(host: str, port: int = 0, *, reuse: bool = False) -> socket.socket:
+def reserve_port(
+    host: str, port: int = 0, *, reuse: bool = False, family: int = socket.AF_INET
+) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: any free port), not yet listening, for a child
     to serve on (``--listen-fd``). Unlike ``free_port`` the port is held from the moment it is
     picked: no other process can bind it before the child serves. ``reuse`` (SO_REUSEADDR,
     as uvicorn binds) rebinds a port a dead server left in TIME_WAIT, but then does not hold
     it against other SO_REUSEADDR binders until it listens. Raises OSError when in use."""
-    s = socket.socket()
+    s = socket.socket(family)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
         s.bind((host, port))

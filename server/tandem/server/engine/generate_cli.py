@@ -28,14 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .default_model import resolve_model
+    from .config import ConfigError
+    from .default_model import one_line, resolve_model
     from .models.config import ModelLoadError
 
     try:
         model, _ = resolve_model(args.model)
         llm = LLM.from_config(engine_config_from_args(args, model))
-    except ModelLoadError as exc:
-        print(f"tandem generate: {exc}", file=sys.stderr)
+    except (ModelLoadError, ConfigError, OSError, ValueError) as exc:
+        print(f"tandem generate: {one_line(exc)}", file=sys.stderr)
         return 1
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed

@@ -257,3 +257,49 @@ def test_tandem_up_restarts_a_stopped_engine(tmp_path: Path, llama_dir: Path) ->
         assert r.status_code == 200, r.text
     finally:
         stop_up(proc, reader)
+
+
+def _children_of_up(up_pid: int) -> list[int]:
+    """Processes started by ``tandem up`` (its direct children: the proxy and the engines)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == up_pid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_kill_9_of_tandem_up_leaves_no_process_behind(tmp_path: Path, llama_dir: Path) -> None:
+    """Issue 32: SIGKILL runs none of tandem up's clean-up; its children go by themselves
+    (the parent-death signal), and with them every port they held."""
+    proc, base, lines = start_up(
+        ["--model", str(llama_dir), "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache")),
+        timeout=180,
+    )
+    engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
+    children = _children_of_up(proc.pid)
+    try:
+        assert len(children) == 3, children  # the proxy, a prefill and a decode engine
+        proc.kill()
+        proc.wait(30)
+        wait_until(lambda: not any(_alive(p) for p in children), 60, "tandem up's children to go")
+        for url in [base.removesuffix("/v1"), *engine_urls]:
+            assert not _port_open(url), f"{url} still answers after kill -9 of tandem up"
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -32,6 +32,17 @@ SUBCOMMANDS = {
 }
 
 
+class Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless its text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        default = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {default})".lstrip()
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="LLM serving with prefill and decode in tandem"
@@ -39,7 +50,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=Formatter)
         if only is None or only == name:
             importlib.import_module(module).add_arguments(p)
     return parser

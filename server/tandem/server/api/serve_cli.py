@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
         "every interface, with --api-key; the operator and tandem up pass their own)",
     )
-    parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000)")
+    parser.add_argument("--port", type=int, default=8000, help="the port")
     add_listen_fd_argument(parser)
     parser.add_argument(
         "--api-key",
@@ -118,7 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split <think>...</think> into reasoning_content",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
     )
     add_edge_arguments(parser)
     add_engine_arguments(parser)

@@ -18,8 +18,13 @@ from .state import ProxySettings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_edge_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
+        "every interface, with --api-key; the operator and tandem up pass their own)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="the port")
     add_listen_fd_argument(parser)
     parser.add_argument(
         "--api-key",
@@ -38,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_routing_arguments(parser)
     _add_health_arguments(parser)
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
     )
 
 

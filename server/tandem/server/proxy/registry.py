@@ -125,8 +125,11 @@ class Node:
         return STALLED if self.stalled else DEAD
 
     def serves(self, model: str | None) -> bool:
-        """A node that lists no models serves whatever it is asked (Kubernetes discovery)."""
-        return model in (None, "", "default") or not self.models or model in self.models
+        """A node that lists no models serves whatever it is asked (Kubernetes discovery);
+        ``default`` (ZSE's) is any node's model, and Ollama's ``:latest`` tag names the same."""
+        if model in (None, "", "default") or not self.models:
+            return True
+        return model in self.models or model.removesuffix(":latest") in self.models
 
     def status(self) -> dict[str, Any]:
         """The node's entry in ``/nodes/status`` (LMDeploy's fields plus Tandem's)."""

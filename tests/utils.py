@@ -148,7 +148,8 @@ class ServerProcess(ChildProcess):
             raise TimeoutError(f"server not ready in {timeout}s: {self.log_tail()}") from None
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        """``/health`` as the operator sees it (the admin key: the weights' path included)."""
+        return httpx.get(self.url + "/health", headers=self.admin_headers, timeout=10).json()
 
     def wait_idle(self, timeout: float = 20.0, sessions_ok: bool = False) -> dict:
         """Poll /health until nothing runs or waits and every block is free (sessions aside)."""

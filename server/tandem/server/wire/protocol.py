@@ -431,9 +431,10 @@ class CompletionResponse(StrictOut):
 
 
 class WeightsInfo(StrictOut):
-    """Which weights an engine runs (``engine/weights.py``)."""
+    """Which weights an engine runs (``engine/weights.py``); ``/health`` shows the path only
+    to operators (the admin or internal credential, or a server without keys)."""
 
-    path: str
+    path: str | None = None
     version: int
     weight_version: str | None = None
     loaded_at: float

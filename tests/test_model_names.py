@@ -5,7 +5,6 @@ model is one line saying what was expected (never a traceback), and ``tandem up 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -22,17 +21,10 @@ from tandem.server.engine.default_model import (
 )
 from tandem.server.engine.models.config import ModelLoadError
 
+from .utils import up_args
+
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _up_args(**kw) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    local.add_arguments(parser)
-    ns = parser.parse_args([])
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    return ns
 
 
 @pytest.mark.parametrize(
@@ -52,14 +44,14 @@ def test_relative_paths_are_made_absolute(tiny_models, tmp_path: Path, monkeypat
     gguf.symlink_to(default_model_path())
     monkeypatch.chdir(tmp_path)
     assert resolve_model("models/x.gguf") == (str(gguf), "x")
-    topo = local.load_plan(_up_args(model="models/x.gguf"))  # was "must be an absolute path"
+    topo = local.load_plan(up_args(model="models/x.gguf"))  # was "must be an absolute path"
     assert topo.served_model_name == "x" and topo.engines[0].args[2] == str(gguf)
 
 
 def test_up_with_a_spec_file_serves_the_given_model_under_its_own_name(tiny_models) -> None:
     model = tiny_models["qwen3"]
     example = REPO / "examples" / "aggregated.yaml"
-    topo = local.load_plan(_up_args(file=str(example), model=str(model)))
+    topo = local.load_plan(up_args(file=str(example), model=str(model)))
     assert topo.served_model_name == model.name != "qwen3-0.6b"
     args = topo.engines[0].args
     assert args[2] == str(model) and args[args.index("--served-model-name") + 1] == model.name

@@ -3,6 +3,7 @@ loopback, ``tandem up`` as a real process, and the one way to wait for a conditi
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -315,3 +316,15 @@ def call_app(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
+
+
+def up_args(**kw: Any) -> argparse.Namespace:
+    """``tandem up``'s parsed flags, defaults but for ``kw`` (what ``local.load_plan`` reads)."""
+    from tandem.server import local
+
+    parser = argparse.ArgumentParser()
+    local.add_arguments(parser)
+    ns = parser.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns

@@ -31,8 +31,17 @@ def reserve_port(
     return s
 
 
-def add_listen_fd_argument(parser: argparse.ArgumentParser) -> None:
-    """``--listen-fd``: serve on a socket a parent process (``tandem up``) bound for us."""
+def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host`` and ``--port`` (loopback by default: a server is reachable from elsewhere
+    only when asked), and ``--listen-fd``: serve on a socket a parent process (``tandem up``)
+    bound for us."""
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
+        "every interface, with --api-key; the operator and tandem up pass their own)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="the port")
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
 
 

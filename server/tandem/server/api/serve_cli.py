@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
-from tandem.server.net import add_listen_fd_argument, inherited_sockets, reserve_port
+from tandem.server.net import add_listen_arguments, inherited_sockets, reserve_port
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -45,14 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients use in 'model' (default: the model directory's or file's name)",
     )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
-        "every interface, with --api-key; the operator and tandem up pass their own)",
-    )
-    parser.add_argument("--port", type=int, default=8000, help="the port")
-    add_listen_fd_argument(parser)
+    add_listen_arguments(parser)
     parser.add_argument(
         "--api-key",
         default=None,

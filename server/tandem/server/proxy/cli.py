@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from tandem.server.net import add_listen_fd_argument, inherited_sockets
+from tandem.server.net import add_listen_arguments, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -18,14 +18,7 @@ from .state import ProxySettings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_edge_arguments(parser)
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="the address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
-        "every interface, with --api-key; the operator and tandem up pass their own)",
-    )
-    parser.add_argument("--port", type=int, default=8000, help="the port")
-    add_listen_fd_argument(parser)
+    add_listen_arguments(parser)
     parser.add_argument(
         "--api-key",
         default=None,

@@ -57,7 +57,7 @@ async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict[str, 
     state = get_state(request)
     model = state.check_model(body.model)
     started = time.monotonic_ns()
-    params = PoolingParams(normalize=True, dimensions=body.dimensions)
+    params = PoolingParams(normalize=True)
     outs = await _vectors(state, request, body.input, params, new_id("embd", request))
     return {
         "model": model,

@@ -4,7 +4,6 @@ the proxy."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import anyio.to_thread
@@ -15,7 +14,13 @@ from tandem.server.engine.default_model import NAME, default_model_path, is_defa
 from tandem.server.wire.body import ParsedJSONRoute
 from tandem.server.wire.errors import APIError
 from tandem.server.wire.ollama import OLLAMA_VERSION, ollama_model
-from tandem.server.wire.protocol import ERROR_RESPONSES, OllamaPullRequest, OllamaShowRequest
+from tandem.server.wire.protocol import (
+    ERROR_RESPONSES,
+    OllamaPullRequest,
+    OllamaShowRequest,
+    streamed,
+)
+from tandem.server.wire.sse import ndjson_line
 
 from .state import get_state
 
@@ -72,7 +77,10 @@ async def show(body: OllamaShowRequest, request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/api/pull", responses=ERROR_RESPONSES)
+@router.post(
+    "/api/pull",
+    responses=ERROR_RESPONSES | streamed("application/x-ndjson", "one JSON object a line"),
+)
 async def pull(body: OllamaPullRequest, request: Request) -> Any:
     """The served model is there already; the default model (by any of its names) is fetched
     into the cache as ``tandem serve`` would (once); any other name is a 404 saying what can
@@ -94,5 +102,5 @@ async def pull(body: OllamaPullRequest, request: Request) -> Any:
     done = {"status": "success"}
     if body.stream is False:
         return done
-    lines = "".join(json.dumps(s) + "\n" for s in [*steps, done])
+    lines = b"".join(ndjson_line(s) for s in [*steps, done])
     return StreamingResponse(iter([lines]), media_type="application/x-ndjson")

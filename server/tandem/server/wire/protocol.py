@@ -320,7 +320,6 @@ class OllamaEmbedRequest(APIModel):
     model: str | None = None
     input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
     truncate: bool | None = True
-    dimensions: Annotated[int, Field(ge=1)] | None = None
     options: OllamaOptions | None = None
     keep_alive: str | int | None = None
 

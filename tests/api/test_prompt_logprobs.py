@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from ..hf_reference import hf_model
+from ..model_specs import on_gpu
 from ..proxy.utils import FRONTS, front_of, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-TOL = 2e-5
+# float32 on CPU: transformers' to 2e-5; the GPU run's engines are bfloat16 (TANDEM_TEST_GPU).
+TOL = 0.1 if on_gpu() else 2e-5
 
 
 @pytest.fixture(params=FRONTS)

@@ -15,6 +15,8 @@ from ..hf_reference import hf_model
 from .utils import PROMPTS
 
 TOP = 3
+# float32 on CPU agrees with transformers to 2e-5; a GPU's kernels sum in another order.
+TOL = 1e-4 if torch.cuda.is_available() else 2e-5
 
 
 def _reference(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -30,7 +32,7 @@ def _check(out, ids: list[int], ref: torch.Tensor) -> None:
     for p in range(1, len(ids)):
         lp, row = lps[p], ref[p - 1]
         assert lp.token_id == ids[p]
-        assert abs(lp.logprob - row[ids[p]].item()) < 2e-5, (p, lp.logprob, row[ids[p]].item())
+        assert abs(lp.logprob - row[ids[p]].item()) < TOL, (p, lp.logprob, row[ids[p]].item())
         assert lp.rank == int((row > row[ids[p]]).sum()) + 1
         top_ids = [t for t, _ in lp.top]
         assert len(top_ids) == TOP and set(top_ids) == set(row.topk(TOP).indices.tolist())

@@ -428,6 +428,7 @@ def chat_response(
     tokenizer: Any,
     top_logprobs: int | None,
     return_token_ids: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     out = outputs[0]
     choices = []
@@ -459,6 +460,8 @@ def chat_response(
     }
     if return_token_ids:
         body["prompt_token_ids"] = list(out.prompt_token_ids)
+    if prompt_logprobs is not None:  # vLLM's: the response's, beside its choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs)
     return body
 
 

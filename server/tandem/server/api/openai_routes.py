@@ -134,11 +134,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         tokenizer=state.tokenizer,
         top_logprobs=top,
         return_token_ids=bool(body.return_token_ids),
+        prompt_logprobs=body.prompt_logprobs,
     )
-    if body.prompt_logprobs is not None:  # vLLM's: the response's, beside its choices
-        response["prompt_logprobs"] = mapping.vllm_prompt_logprobs(
-            state.tokenizer, outputs[0].prompt_logprobs
-        )
     if tools or reasoning:
         for choice, c in zip(response["choices"], outputs[0].outputs):
             choice["message"], choice["finish_reason"] = chat_message(
@@ -416,10 +413,7 @@ async def _completion_stream(
                     }
                     if key not in offsets:  # a choice's first chunk carries its prompt's
                         _add_prompt_logprobs(choice, state, out, logprobs, echo_texts[p])
-                        if prompt_logprobs is not None:
-                            choice["prompt_logprobs"] = mapping.vllm_prompt_logprobs(
-                                state.tokenizer, out.prompt_logprobs
-                            )
+                        _add_vllm_prompt_logprobs(choice, state, out, prompt_logprobs)
                     offsets[key] = pos + len(c.text)
                     if return_token_ids:
                         choice["token_ids"] = c.token_ids
@@ -458,6 +452,15 @@ async def _completion_stream(
     finally:
         if not job.finished:
             job.abort_unfinished()
+
+
+def _add_vllm_prompt_logprobs(
+    choice: dict[str, Any], state: ServerState, out: Any, prompt_logprobs: int | None
+) -> None:
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = mapping.vllm_prompt_logprobs(
+            state.tokenizer, out.prompt_logprobs
+        )
 
 
 def _add_prompt_logprobs(

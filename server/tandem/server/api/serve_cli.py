@@ -132,10 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     configure_logging(args.log_level)
-    try:
-        listener = _listener(args)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+    if (listener := _listener(args)) is None:
         return 1
     try:
         model_dir, default_name = resolve_model(args.model)
@@ -202,16 +199,20 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _listener(args: argparse.Namespace) -> socket.socket:
+def _listener(args: argparse.Namespace) -> socket.socket | None:
     """The socket to serve on, bound before anything loads, so a port already in use is
-    said at once rather than after the model has loaded: the one ``tandem up`` bound for us
-    (``--listen-fd``), else ``--host``:``--port`` bound here (SO_REUSEADDR, as uvicorn binds:
-    a live listener holds the port, a dead server's TIME_WAIT does not)."""
+    said at once rather than after the model has loaded (None, logged): the one ``tandem up``
+    bound for us (``--listen-fd``), else ``--host``:``--port`` bound here (SO_REUSEADDR, as
+    uvicorn binds: a live listener holds the port, a dead server's TIME_WAIT does not)."""
     inherited = inherited_sockets(args.listen_fd)
     if inherited:
         return inherited[0]
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    return reserve_port(args.host, args.port, reuse=True, family=family)
+    try:
+        return reserve_port(args.host, args.port, reuse=True, family=family)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return None
 
 
 def _registration(args: argparse.Namespace, settings: ServerSettings) -> ProxyRegistration | None:

@@ -99,16 +99,9 @@ class SamplingParams:
             "min_tokens",
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
-        _require(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-        )
-        _require(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-            "prompt_logprobs",
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-        )
+        for name, n in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            ok = n is None or 0 <= n <= MAX_LOGPROBS
+            _require(ok, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _require(
             all(t >= 0 for t in self.stop_token_ids),

@@ -3,7 +3,6 @@ a prefill and a decode engine as processes, answering the official ``openai`` cl
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -21,18 +20,9 @@ import yaml
 from tandem.server import local
 from tandem.server.net import reserve_port
 
-from .utils import start_up, stop_up, wait_until
+from .utils import start_up, stop_up, up_args, wait_until
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _args(**kw) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    local.add_arguments(parser)
-    ns = parser.parse_args([])
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    return ns
 
 
 def _spec(tmp_path: Path, **spec) -> str:
@@ -48,7 +38,7 @@ def _spec(tmp_path: Path, **spec) -> str:
 
 
 def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) -> None:
-    topo = local.load_plan(_args(model=str(llama_dir)))
+    topo = local.load_plan(up_args(model=str(llama_dir)))
     assert topo.mode == "Disaggregated" and topo.served_model_name == llama_dir.name
     roles = {r.role: r for r in topo.roles}
     assert (roles["prefill"].replicas, roles["decode"].replicas) == (1, 1)
@@ -65,7 +55,7 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
         engine={"blockSize": 16, "kvCacheTokens": 2048},
         prefill={"replicas": 1, "gpus": 0},
     )
-    topo = local.load_plan(_args(file=f, prefill=2, decode=3))
+    topo = local.load_plan(up_args(file=f, prefill=2, decode=3))
     assert [(r.role, r.replicas) for r in topo.engines] == [("prefill", 2), ("decode", 3)]
     assert "--kv-cache-tokens" in topo.engines[0].args and "m" in topo.engines[0].args
     proxy_listener = reserve_port("127.0.0.1")
@@ -108,26 +98,26 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
 
     hf = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
     with pytest.raises(local.UpError, match="does not download"):
-        local.load_plan(_args(file=hf))
-    assert local.load_plan(_args(file=hf, model=str(llama_dir))).engines[0].args[2] == str(
+        local.load_plan(up_args(file=hf))
+    assert local.load_plan(up_args(file=hf, model=str(llama_dir))).engines[0].args[2] == str(
         llama_dir
     )
     with pytest.raises(local.UpError, match="PersistentVolumeClaim"):
-        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "pvc://claim/x"})))
+        local.load_plan(up_args(file=_spec(tmp_path, model={"name": "m", "uri": "pvc://claim/x"})))
     with pytest.raises(local.UpError, match="no model at"):
         local.load_plan(
-            _args(file=_spec(tmp_path, model={"name": "m", "uri": "/nonexistent/model"}))
+            up_args(file=_spec(tmp_path, model={"name": "m", "uri": "/nonexistent/model"}))
         )
     agg = _spec(tmp_path, mode="Aggregated", model={"name": "m", "uri": str(llama_dir)})
-    assert [r.role for r in local.load_plan(_args(file=agg, decode=2)).engines] == ["both"]
+    assert [r.role for r in local.load_plan(up_args(file=agg, decode=2)).engines] == ["both"]
     with pytest.raises(local.UpError, match="Aggregated"):
-        local.load_plan(_args(file=agg, prefill=1))
+        local.load_plan(up_args(file=agg, prefill=1))
     with pytest.raises(local.UpError, match="invalid InferenceService"):
-        local.load_plan(_args(file=_spec(tmp_path, model={"name": "m", "uri": "relative/path"})))
+        local.load_plan(up_args(file=_spec(tmp_path, model={"name": "m", "uri": "relative/path"})))
     with pytest.raises(local.UpError, match="no decode"):
-        local.load_plan(_args(file=f, decode=0))
+        local.load_plan(up_args(file=f, decode=0))
     with pytest.raises(local.UpError, match="cannot read"):
-        local.load_plan(_args(file=str(tmp_path / "missing.yaml")))
+        local.load_plan(up_args(file=str(tmp_path / "missing.yaml")))
 
 
 def test_up_cli_error_exits_2(tmp_path: Path) -> None:
@@ -258,3 +248,49 @@ def test_tandem_up_restarts_a_stopped_engine(tmp_path: Path, llama_dir: Path) ->
         assert r.status_code == 200, r.text
     finally:
         stop_up(proc, reader)
+
+
+def _children_of_up(up_pid: int) -> list[int]:
+    """Processes started by ``tandem up`` (its direct children: the proxy and the engines)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == up_pid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_kill_9_of_tandem_up_leaves_no_process_behind(tmp_path: Path, llama_dir: Path) -> None:
+    """Issue 32: SIGKILL runs none of tandem up's clean-up; its children go by themselves
+    (the parent-death signal), and with them every port they held."""
+    proc, base, lines = start_up(
+        ["--model", str(llama_dir), "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        dict(os.environ, TANDEM_CACHE=str(tmp_path / "cache")),
+        timeout=180,
+    )
+    engine_urls = [m.group(1) for ln in lines if (m := re.search(r"ready on (\S+)", ln))]
+    children = _children_of_up(proc.pid)
+    try:
+        assert len(children) == 3, children  # the proxy, a prefill and a decode engine
+        proc.kill()
+        proc.wait(30)
+        wait_until(lambda: not any(_alive(p) for p in children), 60, "tandem up's children to go")
+        for url in [base.removesuffix("/v1"), *engine_urls]:
+            assert not _port_open(url), f"{url} still answers after kill -9 of tandem up"
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -3,6 +3,7 @@ loopback, ``tandem up`` as a real process, and the one way to wait for a conditi
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -148,7 +149,8 @@ class ServerProcess(ChildProcess):
             raise TimeoutError(f"server not ready in {timeout}s: {self.log_tail()}") from None
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        """``/health`` as the operator sees it (the admin key: the weights' path included)."""
+        return httpx.get(self.url + "/health", headers=self.admin_headers, timeout=10).json()
 
     def wait_idle(self, timeout: float = 20.0, sessions_ok: bool = False) -> dict:
         """Poll /health until nothing runs or waits and every block is free (sessions aside)."""
@@ -327,3 +329,15 @@ def greedy_token_ids(client: Any, model: str, prompt_ids: list[int], max_tokens:
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     return out.choices[0].model_extra["token_ids"]
+
+
+def up_args(**kw: Any) -> argparse.Namespace:
+    """``tandem up``'s parsed flags, defaults but for ``kw`` (what ``local.load_plan`` reads)."""
+    from tandem.server import local
+
+    parser = argparse.ArgumentParser()
+    local.add_arguments(parser)
+    ns = parser.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns

@@ -458,3 +458,13 @@ def test_captured_cuda_graphs_run_the_new_weights(tmp_path, prompt_ids) -> None:
     llm.engine.update_weights(b)
     assert llm.generate([prompt_ids], params)[0].token_ids == expected
     llm.engine.close()
+
+
+def test_health_shows_the_weights_path_to_operators_only(server) -> None:
+    """``/health`` takes no key: an anonymous caller of a keyed server sees the weights'
+    version, not where they lie on the engine's filesystem; the admin sees the path."""
+    anonymous = httpx.get(server.url + "/health", timeout=10).json()["weights"]
+    assert "path" not in anonymous and anonymous["version"] >= 0
+    assert server.health()["weights"]["path"].startswith("/")
+    client = httpx.get(server.url + "/health", headers=server.headers, timeout=10).json()
+    assert "path" not in client["weights"]

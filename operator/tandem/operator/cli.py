@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--image-pull-policy",
         default=os.environ.get("TANDEM_IMAGE_PULL_POLICY", "IfNotPresent"),
         choices=("Always", "IfNotPresent", "Never"),
+        help="the pull policy of the pods the operator creates ($TANDEM_IMAGE_PULL_POLICY)",
     )
     parser.add_argument(
         "--gang-scheduling",
@@ -84,7 +85,10 @@ def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the manifests for an InferenceService YAML ('-' for stdin) and exit",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the least severe log records written",
     )
 
 

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from tandem.server.parent_watch import die_with_parent
+
 # subcommand -> module providing add_arguments(parser) and run(args)
 SUBCOMMANDS = {
     "make-tiny-model": (
@@ -38,19 +40,41 @@ SUBCOMMANDS = {
 }
 
 
+class Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless its text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        default = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {default})".lstrip()
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="LLM serving with prefill and decode in tandem"
     )
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=Formatter)
         if only is None or only == name:
             importlib.import_module(module).add_arguments(p)
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # a child of tandem up goes when it goes (parent_watch.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=command if command in SUBCOMMANDS else None).parse_args(argv)

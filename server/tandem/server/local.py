@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tandem.server.net import reserve_port
+from tandem.server.parent_watch import child_env
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 HOST = "127.0.0.1"
@@ -135,10 +136,13 @@ class UpError(Exception):
 
 
 def load_plan(args: argparse.Namespace) -> Any:
-    """The Topology to run: the spec (file or default), replica overrides, the local model."""
+    """The Topology to run: the spec (file or default), replica overrides, the local model
+    (``--model`` replaces the spec's model, its name included: the weights are served under
+    their own name, not the file's old one)."""
     from tandem.operator.spec.inference_service import load_inference_service
     from tandem.operator.topology import plan
 
+    model = _resolve_model(args.model) if args.model or not args.file else None
     if args.file:
         try:
             text = Path(args.file).read_text()
@@ -146,8 +150,10 @@ def load_plan(args: argparse.Namespace) -> Any:
             raise UpError(f"cannot read {args.file}: {exc.strerror}") from None
         data = _yaml(text, args.file)
     else:
-        data = default_spec(*_resolve_model(args.model))
+        data = default_spec(*model)
     spec = data.setdefault("spec", {}) if isinstance(data, dict) else None
+    if isinstance(spec, dict) and model is not None:  # a local file: no hf:// fields apply
+        spec["model"] = {"name": model[1], "uri": model[0]}
     if isinstance(spec, dict):
         if args.prefill is not None:
             if spec.get("mode", "Disaggregated") == "Aggregated":
@@ -163,14 +169,8 @@ def load_plan(args: argparse.Namespace) -> Any:
         isvc = load_inference_service(data)
     except ValueError as exc:
         raise UpError(str(exc)) from None
-    model_dir = args.model or local_model_dir(isvc.spec.model.uri)
-    if not (Path(model_dir) / "config.json").exists() and not (
-        model_dir.lower().endswith(".gguf") and Path(model_dir).is_file()
-    ):
-        raise UpError(
-            f"no model at {model_dir} (no config.json, not a .gguf file): give an HF-format "
-            "model directory or a GGUF file"
-        )
+    model_dir = model[0] if model is not None else local_model_dir(isvc.spec.model.uri)
+    _check_model(model_dir)
     topology = plan(isvc, model_dir=str(model_dir), discovery="static")
     if not any(r.replicas > 0 and r.role in ("decode", "both") for r in topology.engines):
         raise UpError("the plan has no decode or aggregated engine: nothing could answer requests")
@@ -201,6 +201,16 @@ def _resolve_model(model: str | None) -> tuple[str, str]:
 
     try:
         return resolve_model(model)
+    except ModelLoadError as exc:
+        raise UpError(str(exc)) from None
+
+
+def _check_model(model_dir: str) -> None:
+    from tandem.server.engine.default_model import check_model_path
+    from tandem.server.engine.models.config import ModelLoadError
+
+    try:
+        check_model_path(Path(model_dir))
     except ModelLoadError as exc:
         raise UpError(str(exc)) from None
 
@@ -248,7 +258,7 @@ class Child:
         with listener:
             self.proc = subprocess.Popen(
                 [*self.argv, "--port", str(self.port), "--listen-fd", str(fd)],
-                env=self.env,
+                env=child_env(self.env),  # it dies with tandem up, even a kill -9 of it
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -1,4 +1,5 @@
-"""OpenAI's ``/v1/embeddings`` and LMDeploy's ``/pooling``: vectors from the served model.
+"""OpenAI's ``/v1/embeddings``, LMDeploy's ``/pooling`` and Ollama's ``/api/embed`` and
+``/api/embeddings``: vectors from the served model.
 
 Each input becomes one pooled engine request (prefill-only, batched with generation by the
 same scheduler; ``engine/pooling.py``), so embeddings come from the same weights and the
@@ -21,6 +22,8 @@ from tandem.server.wire.protocol import (
     ERROR_RESPONSES,
     EmbeddingRequest,
     EmbeddingResponse,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     PoolingRequest,
     PoolingResponse,
 )
@@ -48,14 +51,66 @@ async def pooling(body: PoolingRequest, request: Request) -> dict[str, Any]:
     return await _pool(body, request, "pooling", "data", "pool")
 
 
+@router.post("/api/embed", responses=ERROR_RESPONSES)
+async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict[str, Any]:
+    """Ollama's: ``{model, embeddings, prompt_eval_count}``, the vectors L2-normalised."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    started = time.monotonic_ns()
+    params = PoolingParams(normalize=True)
+    outs = await _vectors(state, request, body.input, params, new_id("embd", request), model)
+    return {
+        "model": model,
+        "embeddings": [out.embedding for out in outs],
+        "total_duration": time.monotonic_ns() - started,
+        "load_duration": 0,
+        "prompt_eval_count": _num_tokens(outs),
+    }
+
+
+@router.post("/api/embeddings", responses=ERROR_RESPONSES)
+async def ollama_embeddings(body: OllamaEmbeddingsRequest, request: Request) -> dict[str, Any]:
+    """Ollama's older route: ``{embedding}`` for one prompt, not normalised (as Ollama's)."""
+    state = get_state(request)
+    model = state.check_model(body.model)
+    params = PoolingParams(normalize=False)
+    request_id = new_id("embd", request)
+    (out,) = await _vectors(state, request, body.prompt, params, request_id, model)
+    return {"embedding": out.embedding}
+
+
 async def _pool(
     body: EmbeddingRequest, request: Request, obj: str, field: str, prefix: str
 ) -> dict[str, Any]:
     state = get_state(request)
     model = state.check_model(body.model)
-    prompts = await _prompts(state, body.input)
     params = PoolingParams(normalize=body.normalize is not False, dimensions=body.dimensions)
     request_id = new_id(prefix, request)
+    outs = await _vectors(state, request, body.input, params, request_id, model)
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [
+            {"index": i, "object": obj, field: _encode(out, body.encoding_format)}
+            for i, out in enumerate(outs)
+        ],
+        "usage": {"prompt_tokens": (n := _num_tokens(outs)), "total_tokens": n},
+    }
+
+
+async def _vectors(
+    state: ServerState,
+    request: Request,
+    given: Any,
+    params: PoolingParams,
+    request_id: str,
+    model: str,
+) -> list[RequestOutput]:
+    """One pooled engine request per input, in waves (through ``model``'s LoRA adapter, if it
+    names one); each output carries its vector."""
+    prompts = await _prompts(state, given)
     outs: list[RequestOutput] = []
     for start in range(0, len(prompts), WAVE):
         wave_id = request_id if len(prompts) <= WAVE else f"{request_id}-{start}"
@@ -78,17 +133,7 @@ async def _pool(
                 code="request_aborted",
                 type="server_error",
             )
-    return {
-        "id": request_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": model,
-        "data": [
-            {"index": i, "object": obj, field: _encode(out, body.encoding_format)}
-            for i, out in enumerate(outs)
-        ],
-        "usage": {"prompt_tokens": (n := _num_tokens(outs)), "total_tokens": n},
-    }
+    return outs
 
 
 async def _prompts(state: ServerState, given: Any) -> list[list[int]]:

@@ -27,6 +27,7 @@ from tandem.server.engine import (
     RequestOutput,
     SamplingParams,
 )
+from tandem.server.engine.model_details import describe
 from tandem.server.engine.models.config import ModelLoadError
 from tandem.server.engine.stats import EngineStats
 
@@ -324,6 +325,7 @@ class AsyncEngine:
                 "num_blocks": stats.total_blocks,
                 "device": str(engine.device),
                 "weights": engine.weights.as_dict(),
+                "details": describe(engine.config.model).as_dict(),
             }
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
             if isinstance(exc, ModelLoadError):  # the message says it all

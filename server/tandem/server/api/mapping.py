@@ -75,9 +75,25 @@ def sampling_params(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
     )
+    if req.prompt_logprobs is not None and req.session_id not in (None, "", -1):
+        raise APIError(
+            400,
+            "prompt_logprobs cannot be combined with a session (its cached turns have no logits)",
+            param="prompt_logprobs",
+            code="invalid_value",
+        )
     return _build(fields)
+
+
+def echo_prompt_logprobs(req: CompletionRequest, params: SamplingParams) -> SamplingParams:
+    """OpenAI's ``echo`` with ``logprobs`` reports the prompt's tokens too: ask the engine for
+    prompt logprobs with as many alternatives as ``logprobs`` (or ``prompt_logprobs``) wants."""
+    if not req.echo or req.logprobs is None:
+        return params
+    return params.clone(prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
 
 
 def generate_sampling_params(req: GenerateRequest, *, vocab_size: int) -> SamplingParams:
@@ -179,13 +195,6 @@ def check_completion_request(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != n:
         raise APIError(
             400, "best_of other than n is not supported", param="best_of", code="unsupported_value"
-        )
-    if req.echo and req.logprobs is not None:
-        raise APIError(
-            400,
-            "echo with logprobs is not supported (no prompt logprobs)",
-            param="echo",
-            code="unsupported_value",
         )
 
 
@@ -360,6 +369,52 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    tokenizer: Any, prompt_ids: list[int], lps: list[Any] | None, top: int
+) -> dict[str, Any]:
+    """The legacy shape's prompt part (``echo``): its first token has no logprob (null), as
+    OpenAI and vLLM answer; the rest come from the engine's prompt logprobs."""
+    rest = completion_logprobs(tokenizer, [lp for lp in (lps or [])[1:] if lp is not None], top, 0)
+    first = token_text(tokenizer, prompt_ids[0]) if prompt_ids else ""
+    offsets = [o + len(first) for o in rest["text_offset"]]
+    return {
+        "tokens": [first, *rest["tokens"]][: len(prompt_ids)],
+        "token_logprobs": [None, *rest["token_logprobs"]][: len(prompt_ids)],
+        "top_logprobs": [None, *rest["top_logprobs"]][: len(prompt_ids)],
+        "text_offset": [0, *offsets][: len(prompt_ids)],
+    }
+
+
+def joined_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the echoed prompt's, then the completion's)."""
+    return {k: head[k] + tail[k] for k in head}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Any, lps: list[Any] | None
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first null) a map from token id to
+    ``{logprob, rank, decoded_token}``, holding the prompt's token and the top alternatives."""
+    if lps is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(tid): {"logprob": _lp(v), "rank": r, "decoded_token": token_text(tokenizer, tid)}
+            for r, (tid, v) in enumerate(lp.top, start=1)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": _lp(lp.logprob),
+            "rank": lp.rank,
+            "decoded_token": token_text(tokenizer, lp.token_id),
+        }
+        out.append(entry)
+    return out
+
+
 def finish_reason(out: CompletionOutput) -> str | None:
     return out.finish_reason
 
@@ -373,6 +428,7 @@ def chat_response(
     tokenizer: Any,
     top_logprobs: int | None,
     return_token_ids: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     out = outputs[0]
     choices = []
@@ -404,6 +460,8 @@ def chat_response(
     }
     if return_token_ids:
         body["prompt_token_ids"] = list(out.prompt_token_ids)
+    if prompt_logprobs is not None:  # vLLM's: the response's, beside its choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs)
     return body
 
 
@@ -415,6 +473,7 @@ def completion_choices(
     logprobs: int | None,
     echo_text: str | None,
     return_token_ids: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> list[dict[str, Any]]:
     choices = []
     for c in out.outputs:
@@ -427,6 +486,11 @@ def completion_choices(
             else None,
             "finish_reason": c.finish_reason,
         }
+        if echo_text is not None and logprobs is not None:
+            head = echoed_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, logprobs)
+            choice["logprobs"] = joined_logprobs(head, choice["logprobs"])
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs)
         if return_token_ids:
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -444,6 +508,7 @@ def completion_response(
     logprobs: int | None,
     echo_texts: list[str | None],
     return_token_ids: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = cached = 0
@@ -456,6 +521,7 @@ def completion_response(
             logprobs=logprobs,
             echo_text=echo_texts[i],
             return_token_ids=return_token_ids,
+            prompt_logprobs=prompt_logprobs,
         )
         prompt_tokens += len(out.prompt_token_ids)
         completion_tokens += sum(len(c.token_ids) for c in out.outputs)

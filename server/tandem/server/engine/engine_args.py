@@ -13,6 +13,35 @@ from .config import EngineConfig
 
 _SKIP = {"model"}
 
+# What each flag does; ``--help`` adds the field's default. A field without an entry here
+# fails ``tests/engine/test_engine_api.py`` (every flag says what it is for).
+HELP = {
+    "dtype": "the weights' and KV cache's dtype (auto: the checkpoint's; float32 on CPU)",
+    "device": "cpu, cuda or cuda:N (auto: cuda when there is one)",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "kv_cache_tokens": "the KV cache's size in tokens (none: a share of free memory)",
+    "gpu_memory_utilization": "the share of device memory this engine may hold (CPU: of "
+    "available RAM)",
+    "max_kv_cache_bytes": "on CPU, the KV cache's cap in bytes",
+    "max_num_seqs": "sequences running at once",
+    "max_num_batched_tokens": "tokens per step (long prompts are prefilled in chunks)",
+    "max_model_len": "the longest prompt + output (none: the model's, within the cache)",
+    "enable_prefix_caching": "reuse cached KV blocks of a shared prompt prefix",
+    "prefix_cache_scope": "whose cached blocks a request may hit: its own key's, or global",
+    "attention_backend": "the attention kernels (auto: flashinfer on a GPU when installed)",
+    "quantized_weights": "a GGUF's Q8_0/Q4_0/Q4_1 weights multiplied as blocks (auto) or "
+    "dequantized (off)",
+    "enforce_eager": "no CUDA graphs for decode",
+    "tensor_parallel_size": "GPUs (ranks) the model is split over",
+    "seed": "the seed of requests without one",
+    "kv_lease_seconds": "P/D: how long a prefill engine keeps blocks no decode engine pulled",
+    "kv_pull_fallback": "P/D: when a KV pull fails, end the request (error) or prefill on "
+    "the decode engine (recompute)",
+    "session_kv_fraction": "the share of KV blocks idle sessions may keep",
+    "max_sessions_per_key": "sessions one client key keeps at once",
+    "pooling": "embeddings: the last token's hidden state, the mean, or the first (cls)",
+}
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
@@ -22,9 +51,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
+        default = "none" if f.default is None else f.default
+        text = f"{HELP.get(f.name, '')} (default: {default})".lstrip()
         if hint is bool:
             group.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
             )
         elif _is_tuple(hint):  # a list of strings: --lora-modules a=x b=y
             group.add_argument(flag, dest=f.name, nargs="+", default=None)
@@ -34,6 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 dest=f.name,
                 type=_scalar_type(hint),
                 default=None,
+                help=text,
                 choices=typing.get_args(hint)
                 if typing.get_origin(hint) is typing.Literal
                 else None,

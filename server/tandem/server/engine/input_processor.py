@@ -94,6 +94,8 @@ class InputProcessor:
             for i in range(params.n)
         ]
         group[0].pending_siblings = group[1:]
+        if params.prompt_logprobs is not None:  # the leader computes the prompt for all
+            group[0].output.prompt_logprobs = [None] * len(prompt_ids)
         return group
 
     def pooled(

@@ -145,6 +145,12 @@ class LLMEngine:
             self.sessions.check_can_attach(session_id, params.n)
         prompt_ids = self.inputs.prompt_ids(prompt)
         params, handoff = self.handoff.parse(kv_transfer, params, session_id, len(prompt_ids))
+        if handoff is not None and handoff.remote_prefill and params.prompt_logprobs is not None:
+            raise InvalidParamError(
+                "prompt_logprobs",
+                "a decode engine pulls its prompt's KV and has no prompt logits: ask the "
+                "engine that computes the prompt (without kv_transfer_params)",
+            )
         group = self.inputs.group(request_id, prompt_ids, params, stream)
         group[0].handoff = handoff
         grammar = self._compiling.submit(params.structured)

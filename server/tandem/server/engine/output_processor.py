@@ -50,6 +50,9 @@ def group_output(group_id: str, group: list[Request], tokenizer: Tokenizer) -> R
         error=lead.output.error,
         error_code=lead.output.error_code,
         embedding=(lead.pooling.vector.tolist() if lead.pooling is not None and finished else None),
+        prompt_logprobs=(
+            None if lead.output.prompt_logprobs is None else list(lead.output.prompt_logprobs)
+        ),
     )
 
 

@@ -55,6 +55,8 @@ class RequestOutput:
     error: str | None = None  # why a request ended without finishing (a failed KV pull, say)
     error_code: str | None = None  # the error's kind (sampler.py, kv_handoff.py, compiling.py)
     embedding: list[float] | None = None  # a finished pooled request's vector (pooling.py)
+    # Asked-for prompt logprobs (prompt_logprobs.py), one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """Two deltas of one request as one (a consumer that fell behind takes them together)."""

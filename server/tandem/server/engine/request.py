@@ -41,6 +41,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass(eq=False)
@@ -65,6 +66,8 @@ class OutputState:
     stream: bool = False
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # A leader asking for prompt logprobs: one slot per prompt token (the first is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None
     stop_text_end: int | None = None  # output text is cut here when a stop string matched
     error: str | None = None  # why it ended without finishing (a failed pull, a failed draw)

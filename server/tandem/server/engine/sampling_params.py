@@ -42,6 +42,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's, with this many top ones
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # the grammar the output must match (structured.py)
 
@@ -98,11 +99,9 @@ class SamplingParams:
             "min_tokens",
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
-        _require(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-        )
+        for name, n in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            ok = n is None or 0 <= n <= MAX_LOGPROBS
+            _require(ok, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         _require(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _require(
             all(t >= 0 for t in self.stop_token_ids),

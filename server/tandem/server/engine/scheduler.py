@@ -113,9 +113,12 @@ class Scheduler:
             if len(self.running) + 1 + len(req.pending_siblings) > self.max_num_seqs:
                 break
             # A request that already holds blocks (a session's turn) starts after them; one
-            # pooling every row's hidden state computes them all.
-            whole = req.block_ids or (
-                req.pooling is not None and req.pooling.params.reads_every_row
+            # pooling every row's hidden state, or reading its prompt's logprobs, computes
+            # them all (a cached block has K/V, not logits or hidden states).
+            whole = (
+                req.block_ids
+                or (req.pooling is not None and req.pooling.params.reads_every_row)
+                or req.output.prompt_logprobs is not None
             )
             prefix = None if whole else self.kv.find_cached_prefix(req)
             start = (

@@ -10,9 +10,14 @@ from .tiny_model import ARCHS, TinyModelSpec, make_tiny_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture")
+    parser.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the weights' dtype",
+    )
     parser.add_argument("--max-shard-size", default=None, help="shard the safetensors, e.g. 200KB")
     for name in (
         "hidden_size",
@@ -21,7 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "num_attention_heads",
         "num_key_value_heads",
     ):
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=int,
+            default=None,
+            help=f"the config's {name} (default: the tiny spec's)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ engine sees one device either way.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .config import EngineConfig
@@ -19,6 +21,7 @@ from .model_runner import ModelRunner, prepare_inputs
 from .models.config import ModelConfig
 from .parallel import SINGLE, rank_device
 from .parallel.launch import RankGroup
+from .prompt_logprobs import fold_prompt_logprobs, prompt_spans, span_rows
 from .request import Request
 from .sampler import draw_uniform
 from .scheduler import ScheduledBatch
@@ -48,11 +51,18 @@ class Worker:
         self, batch: ScheduledBatch, lora_slots: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
         """The sampling rows' logits, the pooled requests' hidden rows, the sampling requests
-        (``lora_slots``: each request's adapter slot, -1 for the base model)."""
+        (``lora_slots``: each request's adapter slot, -1 for the base model); prompt logprobs
+        (``prompt_logprobs.py``) are folded into their requests here."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size, lora_slots)
+        spans = prompt_spans(batch)
+        if spans:
+            inputs = replace(inputs, logits_rows=inputs.logits_rows + span_rows(spans))
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
         logits, hidden = self.runner.run_pooled(inputs)
+        if spans:
+            fold_prompt_logprobs(spans, logits[len(sampling) :])
+            logits = logits[: len(sampling)]
         return logits, hidden, sampling
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from tandem.server.net import add_listen_fd_argument, inherited_sockets
+from tandem.server.net import add_listen_arguments, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
 
@@ -21,9 +21,7 @@ from .state import ProxySettings
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_edge_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    add_listen_fd_argument(parser)
+    add_listen_arguments(parser)
     parser.add_argument(
         "--api-key",
         default=None,
@@ -48,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_routing_arguments(parser)
     _add_health_arguments(parser)
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
     )
 
 

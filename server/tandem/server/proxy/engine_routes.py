@@ -22,7 +22,10 @@ from tandem.server.wire.protocol import (
     EncodeRequest,
     GenerateRequest,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
+    OllamaPullRequest,
     OllamaShowRequest,
     PoolingRequest,
     TokenizeRequest,
@@ -41,6 +44,9 @@ _ROUTED_BODIES: dict[str, type[BaseModel]] = {
     "ollama_generate": OllamaGenerateRequest,
     "ollama_chat": OllamaChatRequest,
     "ollama_show": OllamaShowRequest,
+    "ollama_embed": OllamaEmbedRequest,
+    "ollama_embeddings": OllamaEmbeddingsRequest,
+    "ollama_pull": OllamaPullRequest,
     "embeddings": EmbeddingRequest,
     "pooling": PoolingRequest,
     "encode": EncodeRequest,
@@ -61,7 +67,7 @@ def _routed_responses(kind: str) -> dict[int | str, dict[str, Any]]:
         return _GENERATION_RESPONSES
     if kind == "count_tokens":
         return MESSAGES_ERRORS  # the proxy's 502/504 included, in Anthropic's shape
-    if kind in ("ollama_generate", "ollama_chat"):
+    if kind in ("ollama_generate", "ollama_chat", "ollama_pull"):
         ndjson = streamed("application/x-ndjson", "one JSON object a line")
         return ERROR_RESPONSES | ndjson | _UPSTREAM_RESPONSES
     return ERROR_RESPONSES | _UPSTREAM_RESPONSES

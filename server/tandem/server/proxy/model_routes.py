@@ -38,13 +38,15 @@ def _card(name: str, created: int, parents: dict[str, str]) -> dict[str, Any]:
 @router.get("/api/tags")
 async def ollama_tags(request: Request) -> dict[str, Any]:
     """Ollama's model list: every model some healthy engine serves."""
-    return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+    reg = get_state(request).registry
+    return {"models": [ollama_model(m, reg.model_details(m)) for m in reg.models()]}
 
 
 @router.get("/api/ps")
 async def ollama_ps(request: Request) -> dict[str, Any]:
     """Ollama's loaded models: here every served model is loaded."""
-    return {"models": [ollama_model(m) for m in get_state(request).registry.models()]}
+    reg = get_state(request).registry
+    return {"models": [ollama_model(m, reg.model_details(m)) for m in reg.models()]}
 
 
 @router.get("/api/version")

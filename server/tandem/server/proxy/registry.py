@@ -96,6 +96,7 @@ class Node:
     free_blocks: int | None = None
     total_blocks: int | None = None
     kv_usage: float | None = None  # the engine's vllm:kv_cache_usage_perc (the picker scrapes it)
+    details: dict[str, Any] | None = None  # its /health's description of its weights
     added_at: float = 0.0
     last_error: str | None = None
     last_status: str | None = None
@@ -126,11 +127,14 @@ class Node:
         return STALLED if self.stalled else DEAD
 
     def serves(self, model: str | None) -> bool:
-        """A node that lists no models serves whatever it is asked (Kubernetes discovery); a
-        LoRA adapter's requests go only to the nodes that have it loaded."""
-        if model in (None, "", "default") or model in self.models or model in self.adapters:
+        """A node that lists no models serves whatever it is asked (Kubernetes discovery);
+        ``default`` (ZSE's) is any node's model, and Ollama's ``:latest`` tag names the same;
+        a LoRA adapter's requests go only to the nodes that have it loaded."""
+        if model in (None, "", "default") or model in self.adapters:
             return True
-        return not self.models
+        if not self.models:
+            return True
+        return model in self.models or model.removesuffix(":latest") in self.models
 
     def status(self) -> dict[str, Any]:
         """The node's entry in ``/nodes/status`` (LMDeploy's fields plus Tandem's)."""
@@ -274,6 +278,13 @@ class Registry:
             for a in n.adapters
         }
 
+    def model_details(self, model: str) -> dict[str, Any] | None:
+        """What the weights of ``model`` are, as the first healthy engine serving it says."""
+        for n in self._nodes.values():
+            if n.healthy and model in n.models and n.details:
+                return n.details
+        return None
+
     # --- health -----------------------------------------------------------------------------
     def record_health(
         self,
@@ -295,6 +306,8 @@ class Registry:
             if isinstance(pool, dict):
                 node.free_blocks = _int(pool.get("free_blocks"), node.free_blocks)
                 node.total_blocks = _int(pool.get("total_blocks"), node.total_blocks)
+            if isinstance(body.get("details"), dict):
+                node.details = body["details"]
             role = body.get("role")
             if role is not None:
                 try:

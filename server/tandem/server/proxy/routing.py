@@ -65,7 +65,13 @@ def prompt_text(kind: str, body: dict[str, Any]) -> str:
     return ""
 
 
-_PROMPT_FIELD = {"embeddings": "input", "pooling": "input", "encode": "input", "generate": "prompt"}
+_PROMPT_FIELD = {
+    "embeddings": "input",
+    "pooling": "input",
+    "encode": "input",
+    "generate": "prompt",
+    "ollama_embed": "input",
+}
 
 
 def estimate_tokens(kind: str, body: dict[str, Any], text: str | None = None) -> int:
@@ -269,8 +275,8 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
     """Why this request must run on one engine, or None when P/D can serve it.
 
     The two-step flow hands one sequence's KV from one prefill to one decode: several
-    choices or prompts, and per-token logprobs of the first token (computed on the prefill
-    side), stay on one engine.
+    choices or prompts, per-token logprobs of the first token and prompt logprobs (both
+    computed on the prefill side), stay on one engine.
     """
     if kind not in ("chat", "completions"):
         return NOT_HANDED_OFF.get(kind, "no generation")
@@ -282,6 +288,8 @@ def disaggregatable(kind: str, body: dict[str, Any]) -> str | None:
         return "best_of > 1"
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
         return "logprobs"
+    if body.get("prompt_logprobs") is not None:  # the prompt's logits are the prefill's
+        return "prompt_logprobs"
     if kind == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):

@@ -3,7 +3,9 @@
 Python's ``json`` accepts what JSON does not (``NaN``, ``Infinity``), decodes ``"\\ud800"``
 into a string no encoder can write back, and recurses once per nesting level. Each of these
 surfaced as a 500 somewhere downstream (a tokenizer, a re-encoding, a ``RecursionError``);
-here they are a 400 before any route sees the body. A body of another media type is a 415.
+here they are a 400 before any route sees the body. A body of another media type is a 415,
+except on Ollama's routes (``/api/*``), which read any body as JSON as Ollama does: ``curl -d``
+sends ``application/x-www-form-urlencoded`` and some clients send no Content-Type at all.
 
 The guard parses with pydantic-core, which refuses all three and releases the GIL: a large
 body is parsed on a worker thread so ``/health`` and every stream on the event loop keep
@@ -29,6 +31,7 @@ MAX_DEPTH = 64  # JSON schemas and tool parameters nest a dozen levels; nothing 
 # Bodies up to this size are parsed on the event loop (a thread hop costs more than parsing).
 _INLINE_BYTES = 64 * 1024
 _SCOPE_KEY = "tandem.json_body"
+OLLAMA_PREFIX = "/api/"  # Ollama's routes: any body is JSON, whatever its Content-Type
 
 
 def _from_json(raw: bytes) -> Any:
@@ -119,7 +122,9 @@ class JSONBodyGuard:
             headers = dict(scope.get("headers") or ())
             content_type = headers.get(b"content-type", b"").decode("latin-1")
             try:
-                if not is_json_type(content_type):
+                if not is_json_type(content_type) and scope["path"].startswith(OLLAMA_PREFIX):
+                    scope["headers"] = _as_json(scope.get("headers") or ())
+                elif not is_json_type(content_type):
                     raise APIError(
                         415,
                         "the request body must be sent with Content-Type: application/json"
@@ -131,6 +136,12 @@ class JSONBodyGuard:
                 await send_error(send, err)
                 return
         await self.app(scope, _replay([{"type": "http.request", "body": raw}], receive), send)
+
+
+def _as_json(headers: Any) -> list[tuple[bytes, bytes]]:
+    """The request's headers with its Content-Type made ``application/json``."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+    return [*kept, (b"content-type", b"application/json")]
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

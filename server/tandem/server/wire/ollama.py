@@ -10,19 +10,27 @@ from typing import Any
 OLLAMA_VERSION = "0.6.0"
 
 
-def ollama_model(name: str, modified: datetime | None = None) -> dict[str, Any]:
-    """One ``/api/tags`` or ``/api/ps`` entry. Sizes and digests are Ollama's blob bookkeeping,
-    which Tandem has no counterpart for: reported as 0 and empty."""
+def ollama_model(
+    name: str, details: dict[str, Any] | None = None, modified: datetime | None = None
+) -> dict[str, Any]:
+    """One ``/api/tags`` or ``/api/ps`` entry: ``details`` is the engine's description of its
+    weights (``engine/model_details.py``: format, family, parameter size, quantisation, size
+    on disk), empty while unknown. The digest is Ollama's blob bookkeeping, which Tandem has
+    no counterpart for: empty."""
+    d = details or {}
+    family = d.get("family", "")
     return {
         "name": name,
         "model": name,
         "modified_at": (modified or datetime.now(UTC)).isoformat(),
-        "size": 0,
+        "size": int(d.get("size", 0)),
         "digest": "",
         "details": {
-            "format": "safetensors",
-            "family": "",
-            "parameter_size": "",
-            "quantization_level": "",
+            "parent_model": "",
+            "format": d.get("format", ""),
+            "family": family,
+            "families": [family] if family else None,
+            "parameter_size": d.get("parameter_size", ""),
+            "quantization_level": d.get("quantization_level", ""),
         },
     }

@@ -146,6 +146,11 @@ class SamplingFields(APIModel):
         "requests with the same salt (and key) share cached blocks (docs/security.md)",
     )
     return_token_ids: bool | None = False
+    prompt_logprobs: LogprobCount | None = Field(
+        default=None,
+        description="vLLM's: each prompt token's logprob, with this many most likely tokens "
+        "(the first token has none)",
+    )
     user: str | None = None
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -310,6 +315,34 @@ class OllamaShowRequest(APIModel):
     name: str | None = None  # the field's older name
 
 
+class OllamaEmbedRequest(APIModel):
+    """Ollama's ``/api/embed``: one L2-normalised vector per input."""
+
+    model: str | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+    truncate: bool | None = True
+    options: OllamaOptions | None = None
+    keep_alive: str | int | None = None
+
+
+class OllamaEmbeddingsRequest(APIModel):
+    """Ollama's older ``/api/embeddings``: one vector for ``prompt``, not normalised."""
+
+    model: str | None = None
+    prompt: Text
+    options: OllamaOptions | None = None
+    keep_alive: str | int | None = None
+
+
+class OllamaPullRequest(APIModel):
+    """Ollama's ``/api/pull``: fetch a model Tandem knows into the cache."""
+
+    model: str | None = None
+    name: str | None = None  # the field's older name
+    insecure: bool | None = False
+    stream: bool | None = True
+
+
 class TokenizeRequest(APIModel):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` rendered by the template."""
 
@@ -398,9 +431,10 @@ class CompletionResponse(StrictOut):
 
 
 class WeightsInfo(StrictOut):
-    """Which weights an engine runs (``engine/weights.py``)."""
+    """Which weights an engine runs (``engine/weights.py``); ``/health`` shows the path only
+    to operators (the admin or internal credential, or a server without keys)."""
 
-    path: str
+    path: str | None = None
     version: int
     weight_version: str | None = None
     loaded_at: float
@@ -429,6 +463,17 @@ class BlockPoolInfo(StrictOut):
     utilization: float
 
 
+class ModelDetailsInfo(StrictOut):
+    """What the served weights are (``engine/model_details.py``; Ollama's ``/api/tags``)."""
+
+    format: str
+    family: str
+    parameter_count: int
+    parameter_size: str
+    quantization_level: str
+    size: int
+
+
 class HealthResponse(StrictOut):
     status: str
     model: str
@@ -445,6 +490,7 @@ class HealthResponse(StrictOut):
     gpu_memory_total: str | None = None
     weights: WeightsInfo | None = None
     lora_adapters: list[str] = []  # the LoRA adapters it serves (the proxy routes by them)
+    details: ModelDetailsInfo | None = None
 
 
 class GenerateMetaInfo(StrictOut):

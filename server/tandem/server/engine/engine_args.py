@@ -40,6 +40,10 @@ HELP = {
     "session_kv_fraction": "the share of KV blocks idle sessions may keep",
     "max_sessions_per_key": "sessions one client key keeps at once",
     "pooling": "embeddings: the last token's hidden state, the mean, or the first (cls)",
+    "enable_lora": "serve LoRA adapters (loaded by --lora-modules or POST /v1/load_lora_adapter)",
+    "lora_modules": "LoRA adapters to serve, as name=path (PEFT's format; docs/lora.md)",
+    "max_loras": "LoRA adapters resident at once (least recently used evicted)",
+    "max_lora_rank": "the highest LoRA rank accepted",
 }
 
 
@@ -58,7 +62,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text
             )
         elif _is_tuple(hint):  # a list of strings: --lora-modules a=x b=y
-            group.add_argument(flag, dest=f.name, nargs="+", default=None)
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, help=text)
         else:
             group.add_argument(
                 flag,

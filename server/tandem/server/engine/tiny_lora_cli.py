@@ -10,15 +10,19 @@ from .tiny_lora import TARGETS, TinyLoraSpec, make_tiny_lora
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the base model's directory (tandem make-tiny-model)")
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--rank", type=int, default=TinyLoraSpec.rank)
-    parser.add_argument("--alpha", type=float, default=TinyLoraSpec.alpha)
+    parser.add_argument("--rank", type=int, default=TinyLoraSpec.rank, help="the adapter's rank r")
+    parser.add_argument(
+        "--alpha", type=float, default=TinyLoraSpec.alpha, help="lora_alpha (scaling alpha/r)"
+    )
     parser.add_argument(
         "--targets",
         default=",".join(TinyLoraSpec.targets),
         help=f"comma-separated modules to adapt, of {','.join(TARGETS)}",
     )
-    parser.add_argument("--seed", type=int, default=TinyLoraSpec.seed)
-    parser.add_argument("--use-rslora", action="store_true")
+    parser.add_argument(
+        "--seed", type=int, default=TinyLoraSpec.seed, help="the random weights' seed"
+    )
+    parser.add_argument("--use-rslora", action="store_true", help="rsLoRA's scaling alpha/sqrt(r)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,11 @@ from .server import PickerSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (0.0.0.0: every interface; the operator passes it)",
+    )
     parser.add_argument("--port", type=int, default=9002, help="the gRPC port (GIE's default)")
     add_credential_arguments(parser, "TANDEM_EPP_API_KEY")
     parser.set_defaults(api_key=None)  # the gateway authenticates clients; the picker has none
@@ -33,12 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 429 when every engine that could serve a request has this many waiting",
     )
-    parser.add_argument("--health-interval", type=float, default=2.0)
+    parser.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between /health polls"
+    )
     parser.add_argument(
         "--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes"
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
     )
 
 

@@ -90,7 +90,8 @@ def child_scaledobjects(
     owner, role = owner_of(labels), labels.get(ROLE_LABEL)
     if not (owner and role):
         return {}
-    return {(namespace, owner): AutoscalerSummary(role, *scaled_object_health(dict(body)))}
+    health = scaled_object_health(dict(body))
+    return {(namespace, owner): AutoscalerSummary(role, *health, kind="ScaledObject")}
 
 
 @kopf.index("", "v1", "nodes", id="node_gpus")

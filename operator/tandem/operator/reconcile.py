@@ -49,7 +49,9 @@ def _now() -> str:
 
 def _facts(state: OperatorState, key: Key, indexes: dict[str, kopf.Index]) -> Facts:
     return Facts(
-        apply_error=state.apply_errors.get(key), largest_node_gpus=largest_node_gpus(indexes)
+        apply_error=state.apply_errors.get(key),
+        largest_node_gpus=largest_node_gpus(indexes),
+        planner=state.planner_reports.get(key),
     )
 
 

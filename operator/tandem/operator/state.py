@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from .autoscaler.planner import PlannerState
 from .kube import Kube
 from .render.options import RenderOptions
+from .status.children import PlannerReport
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class OperatorState:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     planner: dict[Key, PlannerState] = field(default_factory=dict)
     """The SLO planner's state (its stabilisation window) per InferenceService."""
+    planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)
+    """How each InferenceService's last planner round went, for AutoscalingActive."""
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -56,5 +59,6 @@ class OperatorState:
             self.posted,
             self.locks,
             self.planner,
+            self.planner_reports,
         ):
             table.pop(key, None)

@@ -23,6 +23,10 @@ class DeploymentSummary:
     updated: int
     available: int
     deadline_exceeded: bool = False
+    replica_failure: str | None = None
+    """The API server's refusal of a pod (``ReplicaFailure=True``, reason ``FailedCreate``:
+    a quota, an admission policy, a missing PriorityClass), as the Deployment copies it from
+    its ReplicaSet."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,10 @@ class ClaimSummary:
 class AutoscalerSummary:
     role: str
     scaling_active: bool | None
+    """None while its controller has not reported (or is not installed)."""
     reason: str = ""
     message: str = ""
+    kind: str = "HorizontalPodAutoscaler"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,15 @@ class Children:
 
 
 @dataclass(frozen=True)
+class PlannerReport:
+    """How the Planner backend's last round went: what it set, or why it could not. Only
+    what changes with the outcome, so a steady planner does not rewrite the status."""
+
+    ok: bool
+    message: str
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the operator itself knows, beside the children."""
 
@@ -82,6 +97,8 @@ class Facts:
     """The API server's message when the last apply failed."""
     largest_node_gpus: int | None = None
     """The most GPUs any node has allocatable (None: nodes not known yet)."""
+    planner: PlannerReport | None = None
+    """The SLO planner loop's last round (None: none finished yet)."""
 
 
 def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
@@ -102,6 +119,14 @@ def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
         deadline_exceeded=any(
             c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
             for c in conditions
+        ),
+        replica_failure=next(
+            (
+                c.get("message") or c.get("reason") or "FailedCreate"
+                for c in conditions
+                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+            ),
+            None,
         ),
     )
 
@@ -179,17 +204,22 @@ def summarize_autoscaler(body: dict[str, Any], role: str) -> AutoscalerSummary:
 
 
 def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
-    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
-    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
-    resolved its triggers and target. None while KEDA has not reported (or does not run).
-    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
+    """(able to scale, reason, message) of a ScaledObject, as ``AutoscalerSummary`` takes
+    them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA resolved
+    its triggers and target; ``Active`` whether there is demand now (an inactive one, a pool
+    at zero with no demand, is healthy). None while KEDA has not reported: with no KEDA
+    controller in the cluster, nothing ever scales the pool."""
     conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
     ready = conditions.get("Ready")
     if ready is None or ready.get("status") == "Unknown":
         return None, "", ""
     ok = ready.get("status") == "True"
+    message = ready.get("message") or ""
+    if ok:
+        active = (conditions.get("Active") or {}).get("status") == "True"
+        message = f"{message}; {'active' if active else 'inactive (no demand)'}".lstrip("; ")
     return (
         ok,
         ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
-        (ready.get("message") or ""),
+        message,
     )

@@ -25,6 +25,7 @@ from .render.manifests import render
 from .render.meta import Manifest, cache_claim_name, cached_model_key
 from .render.options import RenderOptions
 from .render.security import internal_credential_secret
+from .rollout import hold_old_layout
 from .spec.inference_service import InferenceService
 from .state import Key, OperatorOptions, OperatorState
 from .status.children import Children, Facts
@@ -69,6 +70,7 @@ def render_options(
         model_cached=topology.model.kind == "hf"
         and claim is not None
         and claim.cached_model == cached_model_key(topology),
+        hold_old_layout=hold_old_layout(topology, kids.pods),
     )
 
 
@@ -120,7 +122,8 @@ async def reconcile(
     topology = plan(isvc)
     async with state.lock(key):
         kids = children_of(key, topology, indexes)
-        manifests = render(isvc, render_options(state.options, isvc, topology, kids), topology)
+        options = render_options(state.options, isvc, topology, kids)
+        manifests = render(isvc, options, topology)
         # the engines' shared internal credential: created once, never rotated by a re-apply
         credential = internal_credential_secret(isvc, topology, secrets.token_urlsafe(32))
         try:
@@ -132,6 +135,7 @@ async def reconcile(
             await refresh_status(state, key, body, indexes)
             raise kopf.TemporaryError(exc.message, delay=30) from None
         state.apply_errors.pop(key, None)
+        state.held[key] = options.hold_old_layout
         generation = int(body["metadata"].get("generation") or 0)
         state.applied_generation[key] = generation
         await refresh_status(state, key, body, indexes)
@@ -168,6 +172,27 @@ def _apply_all(
                 )
 
 
+def _render_changed(
+    state: OperatorState,
+    key: Key,
+    body: dict[str, Any],
+    indexes: dict[str, kopf.Index],
+    kind: str | None,
+) -> bool:
+    """Whether a child's event changes what is rendered: the model reached the cache (now
+    the engines), or a KV-layout rollout's hold starts or ends (a new pair is Ready)."""
+    if kind not in ("Job", "Pod"):
+        return False
+    isvc = inference_service_of(body)
+    topology = plan(isvc)
+    kids = children_of(key, topology, indexes)
+    if kind == "Pod":
+        held = state.held.get(key)
+        return held is not None and held != hold_old_layout(topology, kids.pods)
+    engines = {d.role for d in kids.deployments} - {"proxy"}
+    return model_ready(isvc, topology, kids) and not engines
+
+
 async def on_child_event(
     event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, kwargs: Any
 ) -> None:
@@ -179,15 +204,9 @@ async def on_child_event(
     key = (namespace, owner)
     body = next(iter(bodies))
     indexes = index_kwargs(kwargs)
-    if (event.get("object") or {}).get("kind") == "Job":
-        isvc = inference_service_of(body)
-        topology = plan(isvc)
-        kids = children_of(key, topology, indexes)
-        engines = {d.role for d in kids.deployments} - {"proxy"}
-        if model_ready(isvc, topology, kids) and not engines:
-            # the model is in the cache: now render the engines
-            await reconcile(state, body, namespace, owner, indexes, prune=False)
-            return
+    if _render_changed(state, key, body, indexes, (event.get("object") or {}).get("kind")):
+        await reconcile(state, body, namespace, owner, indexes, prune=False)
+        return
     async with state.lock(key):
         # The index may lag our own status write; refresh_status compares with it, which
         # costs at most one redundant patch.

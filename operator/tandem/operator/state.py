@@ -42,6 +42,8 @@ class OperatorState:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     planner: dict[Key, PlannerState] = field(default_factory=dict)
     """The SLO planner's state (its stabilisation window) per InferenceService."""
+    held: dict[Key, bool] = field(default_factory=dict)
+    """Whether the last apply held the old KV layout's engines (``rollout.py``)."""
     planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)
     """How each InferenceService's last planner round went, for AutoscalingActive."""
 
@@ -60,5 +62,6 @@ class OperatorState:
             self.locks,
             self.planner,
             self.planner_reports,
+            self.held,
         ):
             table.pop(key, None)

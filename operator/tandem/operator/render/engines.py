@@ -71,6 +71,9 @@ def engine_deployment(
         "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
         "template": template,
     }
+    if options.hold_old_layout:
+        # new pods turn Ready (and pair) but are not yet available: no old pod is retired
+        spec["minReadySeconds"] = spec["progressDeadlineSeconds"] - 1
     if role.autoscaling is None:
         spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
     return {

@@ -19,3 +19,6 @@ class RenderOptions:
     """The cache claim already holds the model (a retained cache): no download Job."""
     gang_scheduling: bool = False
     """Admit a Disaggregated service's engines as a gang (Kubernetes' PodGroup API)."""
+    hold_old_layout: bool = False
+    """A KV-layout change is under way and no new-layout pair is Ready yet: keep the old
+    engines (``rollout.hold_old_layout``)."""

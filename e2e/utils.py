@@ -232,3 +232,50 @@ def _wait_ready(
         print(op.tail(), file=sys.stderr)
         raise
     return _get(cluster, "tisvc", name, namespace)
+
+
+class Watch:
+    """``kubectl get --watch`` in the background: every version of the objects, in the order
+    the API server sent them, so a test can check an invariant at each event rather than
+    poll (and miss a short violation)."""
+
+    def __init__(self, cluster: Cluster, path: Path, *args: str) -> None:
+        self.cluster, self.path, self.args = cluster, path, args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Watch:
+        with self.path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.cluster.bin_dir / "kubectl"),
+                    "get",
+                    *self.args,
+                    "--watch",
+                    "--output-watch-events",
+                    "-o",
+                    "json",
+                ],
+                stdout=out,
+                stderr=subprocess.DEVNULL,
+                env=self.cluster.tool_env(),
+            )
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The watch events so far: ``{"type": ADDED|MODIFIED|DELETED, "object": ...}``."""
+        text, decoder, out, at = self.path.read_text(), json.JSONDecoder(), [], 0
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at >= len(text):
+                return out
+            try:
+                event, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return out  # the last event is still being written
+            out.append(event)

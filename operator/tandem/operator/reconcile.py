@@ -41,6 +41,9 @@ PRUNABLE = (
     (KEDA_API_VERSION, "ScaledObject"),
 )
 
+REFRESH_DELAY_SECONDS = 0.3
+"""How long a child's event waits for the events that follow it (one refresh for a burst)."""
+
 log = logging.getLogger("tandem.operator")
 
 
@@ -173,41 +176,53 @@ def _apply_all(
 
 
 def _render_changed(
-    state: OperatorState,
-    key: Key,
-    body: dict[str, Any],
-    indexes: dict[str, kopf.Index],
-    kind: str | None,
+    state: OperatorState, key: Key, body: dict[str, Any], indexes: dict[str, kopf.Index]
 ) -> bool:
-    """Whether a child's event changes what is rendered: the model reached the cache (now
-    the engines), or a KV-layout rollout's hold starts or ends (a new pair is Ready)."""
-    if kind not in ("Job", "Pod"):
-        return False
+    """Whether the children changed what is rendered: the model reached the cache (now the
+    engines), or a KV-layout rollout's hold starts or ends (a new pair is Ready)."""
     isvc = inference_service_of(body)
     topology = plan(isvc)
     kids = children_of(key, topology, indexes)
-    if kind == "Pod":
-        held = state.held.get(key)
-        return held is not None and held != hold_old_layout(topology, kids.pods)
+    held = state.held.get(key)
+    if held is not None and held != hold_old_layout(topology, kids.pods):
+        return True
     engines = {d.role for d in kids.deployments} - {"proxy"}
-    return model_ready(isvc, topology, kids) and not engines
+    return topology.model.kind == "hf" and model_ready(isvc, topology, kids) and not engines
 
 
 async def on_child_event(
     event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo, kwargs: Any
 ) -> None:
+    """Schedule one status refresh for the owner, unless one is pending (it will read this
+    event too). Returning at once keeps kopf's per-object workers free, so every child's
+    event reaches the indexes in the watch's order: a refresh never sees an old pod gone
+    but not yet the new pod that replaced it. Bursts (a rollout, 1,000 services starting)
+    cost one status computation per service, not one per pod event."""
     owner = owner_of(labels)
-    bodies = kwargs["isvc_bodies"].get((namespace, owner), [])
-    if not owner or not bodies:
-        return
     state: OperatorState = memo.state
-    key = (namespace, owner)
-    body = next(iter(bodies))
-    indexes = index_kwargs(kwargs)
-    if _render_changed(state, key, body, indexes, (event.get("object") or {}).get("kind")):
-        await reconcile(state, body, namespace, owner, indexes, prune=False)
+    key = (namespace, owner or "")
+    if not owner or key in state.refreshes:
         return
-    async with state.lock(key):
-        # The index may lag our own status write; refresh_status compares with it, which
-        # costs at most one redundant patch.
-        await refresh_status(state, key, body, indexes)
+    bodies, indexes = kwargs["isvc_bodies"], index_kwargs(kwargs)
+    state.refreshes[key] = asyncio.create_task(_refresh_soon(state, key, bodies, indexes))
+
+
+async def _refresh_soon(
+    state: OperatorState, key: Key, bodies: kopf.Index, indexes: dict[str, kopf.Index]
+) -> None:
+    await asyncio.sleep(REFRESH_DELAY_SECONDS)
+    state.refreshes.pop(key, None)  # an event from now on schedules the next refresh
+    found = list(bodies.get(key, []))
+    if not found:
+        return
+    body = found[0]
+    try:
+        if _render_changed(state, key, body, indexes):
+            await reconcile(state, body, key[0], key[1], indexes, prune=False)
+            return
+        async with state.lock(key):
+            await refresh_status(state, key, body, indexes)
+    except kopf.TemporaryError:
+        pass  # recorded in the status; the resync retries
+    except Exception:  # a task's error would otherwise go unseen
+        log.exception("[%s/%s] status refresh failed", *key)

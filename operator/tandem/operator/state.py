@@ -42,6 +42,8 @@ class OperatorState:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     planner: dict[Key, PlannerState] = field(default_factory=dict)
     """The SLO planner's state (its stabilisation window) per InferenceService."""
+    refreshes: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
+    """The status refresh scheduled per InferenceService (``reconcile.on_child_event``)."""
     held: dict[Key, bool] = field(default_factory=dict)
     """Whether the last apply held the old KV layout's engines (``rollout.py``)."""
     planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)

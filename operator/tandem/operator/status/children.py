@@ -27,6 +27,8 @@ class DeploymentSummary:
     """The API server's refusal of a pod (``ReplicaFailure=True``, reason ``FailedCreate``:
     a quota, an admission policy, a missing PriorityClass), as the Deployment copies it from
     its ReplicaSet."""
+    total: int | None = None
+    """Pods of every revision (``status.replicas``): above ``updated`` while old pods remain."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
             c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
             for c in conditions
         ),
+        total=int(status.get("replicas") or 0),
         replica_failure=next(
             (
                 c.get("message") or c.get("reason") or "FailedCreate"

@@ -141,7 +141,11 @@ def role_condition(
         available=d.available,
         replicas=f"{d.ready}/{d.desired}",
     )
-    rolled = d.observed_generation >= d.generation and d.updated >= d.desired
+    rolled = (
+        d.observed_generation >= d.generation
+        and d.updated >= d.desired
+        and (d.total is None or d.total <= d.updated)  # no old pod left
+    )
     if d.desired == 0:
         return counts, condition(type_, False, "ScaledToZero", "0 replicas requested"), False
     if rolled and d.ready >= d.desired:

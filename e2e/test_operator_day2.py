@@ -261,7 +261,10 @@ def test_ready_stays_true_through_a_scale_up_and_a_rollout(
         wait_for("the rollout", lambda: _settled(cluster, namespace, name, 3), timeout=90)
         wait_for("the watch to catch up", lambda: len(watch.events()) > 2, timeout=30)
     versions = [e["object"] for e in watch.events()]
-    ready = [(_condition(v, "Ready").get("status"), _condition(v, "Ready").get("message")) for v in versions]
+    ready = [
+        (_condition(v, "Ready").get("status"), _condition(v, "Ready").get("message"))
+        for v in versions
+    ]
     assert {r[0] for r in ready} == {"True"}, [r for r in ready if r[0] != "True"]
     rollout = [_condition(v, "RolloutComplete").get("status") for v in versions]
     assert "False" in rollout and rollout[-1] == "True"

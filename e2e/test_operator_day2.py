@@ -10,6 +10,11 @@ autoscalers) is tested here.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,9 @@ import pytest
 from e2e.cluster import Cluster, wait_for
 from e2e.test_autoscaling import third_party_crds  # noqa: F401 (a fixture)
 from e2e.utils import (
+    RELEASE,
+    RELEASE_NS,
+    ROOT,
     Operator,
     Watch,
     _apply,
@@ -27,7 +35,19 @@ from e2e.utils import (
     _isvc,
     _patch_engine,
     _wait_ready,
+    running_operator,
 )
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    """The operator under the chart's RBAC, serving its own metrics on a free port."""
+    yield from running_operator(
+        Operator(cluster, tmp_path_factory.mktemp("operator"), "--metrics-address", "127.0.0.1:0")
+    )
+
 
 # ---- problem 1: names the API server accepts ------------------------------------------------
 
@@ -389,3 +409,67 @@ def test_a_kv_layout_rollout_keeps_a_same_layout_pair_at_every_pod_event(
     assert "minReadySeconds" not in _get(cluster, "deployment", f"{name}-decode", namespace)["spec"]
     cluster.kubectl("delete", "deployment", "filler", "-n", namespace)
     cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+# ---- the operator's own metrics; helm uninstall cannot strand services ----------------------
+
+
+def _scrape(op: Operator) -> dict[str, float]:
+    port = re.findall(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", op.output_since_start())
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port[-1]}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            samples[series] = float(value)
+    return samples
+
+
+def _check_uninstall(op: Operator, namespace: str) -> subprocess.CompletedProcess[str]:
+    """The chart's pre-delete hook's command, under the chart's ServiceAccount (kwok runs no
+    containers, so the hook's Job would pass there without running it)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.server.cli",
+            "operator",
+            "--check-uninstall",
+            "--kubeconfig",
+            str(op.kubeconfig),
+            "--namespace",  # this test's: other modules' namespaces may still be going
+            namespace,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_operator_metrics_and_an_uninstall_that_would_strand_services_is_refused(
+    cluster: Cluster, operator: Operator, namespace: str
+) -> None:
+    """controller-runtime's metric names count this operator's reconciles, errors and
+    durations; the chart's pre-delete hook refuses `helm uninstall` while an
+    InferenceService exists (it would hang on the operator's finalizer) and passes after."""
+    name = "metered"
+    _apply(cluster, _isvc(name, namespace, mode="Aggregated"))
+    _wait_ready(cluster, operator, namespace, name)
+    samples = _scrape(operator)
+    ok = 'controller_runtime_reconcile_total{controller="inferenceservice",result="success"}'
+    assert samples[ok] >= 1
+    assert 'controller_runtime_reconcile_errors_total{controller="inferenceservice"}' in samples
+    count = 'controller_runtime_reconcile_time_seconds_count{controller="inferenceservice"}'
+    assert samples[count] >= samples[ok]
+    assert 'workqueue_depth{name="inferenceservice"}' in samples
+    assert samples['tandem_operator_events_total{reason="AllRolesReady",type="Normal"}'] >= 1
+
+    hooks = cluster.helm("get", "hooks", RELEASE, "-n", RELEASE_NS).stdout
+    assert "helm.sh/hook: pre-delete" in hooks and "--check-uninstall" in hooks
+    refused = _check_uninstall(operator, namespace)
+    assert refused.returncode == 1, refused
+    assert f"{namespace}/{name}" in refused.stderr and "Delete them first" in refused.stderr
+    cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    assert _check_uninstall(operator, namespace).returncode == 0

@@ -73,6 +73,12 @@ def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
         "such as bench/autoscale.py --cluster)",
     )
     parser.add_argument(
+        "--metrics-address",
+        default="",
+        help="serve the operator's own metrics (controller_runtime_reconcile_total, ...) at "
+        "host:port, e.g. 0.0.0.0:8081 (port 0: any free port, logged); '' serves none",
+    )
+    parser.add_argument(
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint ('' disables)",
@@ -82,6 +88,11 @@ def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=None,
         help="print the manifests for an InferenceService YAML ('-' for stdin) and exit",
+    )
+    parser.add_argument(
+        "--check-uninstall",
+        action="store_true",
+        help="exit 1 while InferenceServices exist (the chart's pre-delete hook), else 0",
     )
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
@@ -112,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     namespaces = args.namespaces or [
         n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n
     ]
+    if args.check_uninstall:
+        from .kube import Kube, client
+        from .uninstall import check_uninstall
+
+        return check_uninstall(Kube(client.ApiClient()), tuple(namespaces))
     memo = operator_memo(
         OperatorOptions(
             render=options,
@@ -119,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             peering=args.peering,
             namespaces=tuple(namespaces),
             planner=args.planner,
+            metrics_address=args.metrics_address,
         )
     )
     kopf.run(

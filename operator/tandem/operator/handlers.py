@@ -99,6 +99,9 @@ def connect(memo: kopf.Memo, **_: Any) -> None:
     state.kube = Kube(client.ApiClient())
     if state.options.peering:
         ensure_peering(state.kube, state.options.peering, state.options.namespaces)
+    if state.options.metrics_address:
+        state.metrics.watch_queue(lambda: len(state.refreshes))
+        state.metrics.serve(state.options.metrics_address)
     log.info(
         "started: namespaces %s, peering %s",
         ",".join(state.options.namespaces) or "all",

@@ -107,6 +107,7 @@ async def refresh_status(
         await asyncio.to_thread(
             kube.post_event, body, event.type, event.reason, event.message, _now()
         )
+        state.metrics.events.labels(event.type, event.reason).inc()
 
 
 async def reconcile(
@@ -130,9 +131,10 @@ async def reconcile(
         # the engines' shared internal credential: created once, never rotated by a re-apply
         credential = internal_credential_secret(isvc, topology, secrets.token_urlsafe(32))
         try:
-            await asyncio.to_thread(
-                _apply_all, state.client(), credential, manifests, namespace, name, prune
-            )
+            with state.metrics.reconcile():
+                await asyncio.to_thread(
+                    _apply_all, state.client(), credential, manifests, namespace, name, prune
+                )
         except KubeError as exc:
             state.apply_errors[key] = exc.message
             await refresh_status(state, key, body, indexes)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .autoscaler.planner import PlannerState
 from .kube import Kube
+from .metrics import OperatorMetrics
 from .render.options import RenderOptions
 from .status.children import PlannerReport
 
@@ -23,6 +24,8 @@ class OperatorOptions:
     planner: bool = True
     """Run the Planner backend's loop; off when something else drives
     :func:`~.autoscaler.loop.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
+    metrics_address: str = ""
+    """``host:port`` to serve the operator's own metrics at ('' serves none)."""
 
 
 Key = tuple[str, str]
@@ -34,6 +37,7 @@ class OperatorState:
 
     options: OperatorOptions
     kube: Kube | None = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     applied_generation: dict[Key, int] = field(default_factory=dict)
     apply_errors: dict[Key, str] = field(default_factory=dict)
     """The API server's message for an InferenceService whose last apply failed."""

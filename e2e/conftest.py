@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import Cluster, bin_dir, missing_binaries, wait_for
+from e2e.cluster.paths import THIRD_PARTY_CRDS, crd_dir, missing_crds
 from e2e.utils import PEERING, RELEASE, RELEASE_NS, ROOT, Operator, running_operator
 
 
@@ -75,6 +76,28 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def third_party_crds(cluster: Cluster) -> Iterator[None]:
+    """KEDA's and the Prometheus Operator's CRDs, installed once (before any chart install)."""
+    directory = crd_dir()
+    missing = missing_crds(directory)
+    if missing:
+        reason = f"generated CRDs missing in {directory}: {missing} (run: bash e2e/setup.sh)"
+        if os.environ.get("TANDEM_E2E_REQUIRE"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    for name in THIRD_PARTY_CRDS:
+        cluster.kubectl("apply", "--server-side", "-f", str(directory / name))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "crd/scaledobjects.keda.sh",
+        "crd/podmonitors.monitoring.coreos.com",
+        "--timeout=60s",
+    )
+    yield
 
 
 # ---- the chart and the operator ---------------------------------------------------------------

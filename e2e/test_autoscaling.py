@@ -11,7 +11,6 @@ real proxy's ``/metrics`` instead of a Prometheus query, and scales as KEDA woul
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,6 @@ import pytest
 import yaml
 
 from e2e.cluster import Cluster, wait_for
-from e2e.cluster.paths import THIRD_PARTY_CRDS, crd_dir, missing_crds
 from e2e.pools import PlannerPools, PoolSpec
 from e2e.utils import (
     RELEASE,
@@ -53,28 +51,6 @@ def operator(
     yield from running_operator(
         Operator(cluster, tmp_path_factory.mktemp("operator"), "--no-planner")
     )
-
-
-@pytest.fixture(scope="session")
-def third_party_crds(cluster: Cluster) -> Iterator[None]:
-    """KEDA's and the Prometheus Operator's CRDs, installed once (before any chart install)."""
-    directory = crd_dir()
-    missing = missing_crds(directory)
-    if missing:
-        reason = f"generated CRDs missing in {directory}: {missing} (run: bash e2e/setup.sh)"
-        if os.environ.get("TANDEM_E2E_REQUIRE"):
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    for name in THIRD_PARTY_CRDS:
-        cluster.kubectl("apply", "--server-side", "-f", str(directory / name))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/scaledobjects.keda.sh",
-        "crd/podmonitors.monitoring.coreos.com",
-        "--timeout=60s",
-    )
-    yield
 
 
 def test_chart_installs_a_pod_monitor_when_the_prometheus_operator_crds_exist(

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from e2e.cluster import Cluster, wait_for
-from e2e.test_autoscaling import third_party_crds  # noqa: F401 (a fixture)
 from e2e.utils import (
     RELEASE,
     RELEASE_NS,

@@ -20,8 +20,7 @@ from tandem.operator.status.compute import compute_status
 from tandem.operator.status.events import events
 from tandem.operator.topology import plan
 
-from .test_status import conds, dep, healthy, message, ready_pods
-from .utils import isvc
+from .utils import conds, dep, healthy, isvc, message, ready_pods
 
 QUOTA = (
     'pods "svc-decode-7d9f-abcde" is forbidden: exceeded quota: gpus, requested: '

@@ -30,6 +30,7 @@ from e2e.utils import (
     _apply,
     _condition,
     _events,
+    _filler,
     _get,
     _isvc,
     _patch_engine,
@@ -42,9 +43,18 @@ from e2e.utils import (
 def operator(
     cluster: Cluster, chart: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    """The operator under the chart's RBAC, serving its own metrics on a free port."""
+    """The operator under the chart's RBAC, serving its own metrics on a free port, with
+    neither gang admission (so the new prefill starts while the new decode cannot)."""
     yield from running_operator(
-        Operator(cluster, tmp_path_factory.mktemp("operator"), "--metrics-address", "127.0.0.1:0")
+        Operator(
+            cluster,
+            tmp_path_factory.mktemp("operator"),
+            "--metrics-address",
+            "127.0.0.1:0",
+            # the hold is tested alone here (gang admission's own test is test_gang_admission)
+            "--no-gang-scheduling",
+            "--no-admission-gates",
+        )
     )
 
 
@@ -313,31 +323,6 @@ def _pairs_at_each_event(events: list[dict[str, Any]]) -> list[set[str]]:
                 ready[labels["tandem.dev/role"]].add(labels["tandem.dev/kv-layout"])
         out.append(ready["prefill"] & ready["decode"])
     return out
-
-
-def _filler(namespace: str, replicas: int) -> dict[str, Any]:
-    """Pods of one GPU each, to leave exactly the GPUs a test wants free."""
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "filler", "namespace": namespace},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": "filler"}},
-            "template": {
-                "metadata": {"labels": {"app": "filler"}},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "c",
-                            "image": "f",
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                        }
-                    ]
-                },
-            },
-        },
-    }
 
 
 def test_a_kv_layout_rollout_keeps_a_same_layout_pair_at_every_pod_event(

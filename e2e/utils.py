@@ -279,3 +279,28 @@ class Watch:
             except ValueError:
                 return out  # the last event is still being written
             out.append(event)
+
+
+def _filler(namespace: str, replicas: int, gpus: int = 1) -> dict[str, Any]:
+    """Pods of ``gpus`` GPUs each, to leave exactly the GPUs a test wants free."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "filler", "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "filler"}},
+            "template": {
+                "metadata": {"labels": {"app": "filler"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "f",
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }

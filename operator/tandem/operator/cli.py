@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PodGroup API: feature gates GenericWorkload and GangScheduling, "
         "scheduling.k8s.io/v1alpha2 enabled; default: $TANDEM_GANG_SCHEDULING)",
     )
+    parser.add_argument(
+        "--admission-gates",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("TANDEM_ADMISSION_GATES", "true") != "false",
+        help="create GPU engine pods with a schedulingGate and remove it only when the whole "
+        "service fits the free GPUs (GA since Kubernetes 1.30; default on; --gang-scheduling, "
+        "the PodGroup API, replaces it)",
+    )
     _runtime_arguments(parser)
 
 
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         image=args.image,
         image_pull_policy=args.image_pull_policy,
         gang_scheduling=args.gang_scheduling,
+        admission_gates=args.admission_gates and not args.gang_scheduling,
     )
     if args.render:
         return _render(args.render, options)

@@ -12,17 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
+from .admission import admit, free_gpus
 from .autoscaler.objects import KEDA_API_VERSION
 from .bodies import inference_service_of, plain_body
-from .indexes import children_of, index_kwargs, largest_node_gpus, owner_of
+from .indexes import (
+    children_of,
+    gpu_pods,
+    index_kwargs,
+    largest_node_gpus,
+    node_gpus_by_name,
+    owner_of,
+)
 from .kube import Kube, KubeError
 from .render.manifests import render
-from .render.meta import Manifest, cache_claim_name, cached_model_key
+from .render.meta import ADMISSION_GATE, Manifest, cache_claim_name, cached_model_key
 from .render.options import RenderOptions
 from .render.security import internal_credential_secret
 from .rollout import hold_old_layout
@@ -65,10 +74,8 @@ def render_options(
     """The operator's render settings, plus what the children say about the model: whether
     it is ready (engines may be rendered) and already cached (no download Job)."""
     claim = next((c for c in kids.claims if c.name == cache_claim_name(isvc)), None)
-    return RenderOptions(
-        image=options.render.image,
-        image_pull_policy=options.render.image_pull_policy,
-        gang_scheduling=options.render.gang_scheduling,
+    return replace(
+        options.render,
         model_ready=model_ready(isvc, topology, kids),
         model_cached=topology.model.kind == "hf"
         and claim is not None
@@ -80,20 +87,27 @@ def render_options(
 async def refresh_status(
     state: OperatorState, key: Key, body: dict[str, Any], indexes: dict[str, kopf.Index]
 ) -> None:
-    """Recompute status from the indexes, write it if it changed, post an Event per changed
-    condition."""
+    """Admit what fits (gang admission), recompute status from the indexes, write it if it
+    changed, post an Event per new cause."""
     isvc = inference_service_of(body)
     topology = plan(isvc)
+    kids = children_of(key, topology, indexes)
+    free = free_gpus(node_gpus_by_name(indexes), gpu_pods(indexes))
+    admission = admit(kids.pods, free)
+    if admission.admit:
+        log.info("[%s/%s] admitting %s (free GPUs per node %s)", *key, admission.admit, free)
+    for pod in admission.admit:
+        await asyncio.to_thread(state.client().remove_gate, key[0], pod, ADMISSION_GATE)
     previous = parse_status(body.get("status"))
     observed = state.applied_generation.get(key, previous.observed_generation if previous else None)
     new = compute_status(
         isvc,
         topology,
-        children_of(key, topology, indexes),
+        kids,
         observed,
         _now(),
         previous,
-        _facts(state, key, indexes),
+        replace(_facts(state, key, indexes), held=admission.held),
     )
     if not status_changed(previous, new):
         return

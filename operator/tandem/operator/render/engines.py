@@ -9,6 +9,7 @@ from typing import Any
 from ..spec.inference_service import InferenceService
 from ..topology import RolePlan, Topology
 from .meta import (
+    ADMISSION_GATE,
     KV_LAYOUT_LABEL,
     MODEL_ANNOTATION,
     Manifest,
@@ -114,6 +115,8 @@ def engine_pod_spec(
         pod_spec["priorityClassName"] = rs.priority_class_name
     if options.gang_scheduling and topology.mode == "Disaggregated":
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(topology)}
+    elif options.admission_gates and role.gpus > 0:
+        pod_spec["schedulingGates"] = [{"name": ADMISSION_GATE}]
     return pod_spec
 
 

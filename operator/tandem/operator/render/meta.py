@@ -18,6 +18,8 @@ MODEL_ANNOTATION = "tandem.dev/served-model-name"
 KV_LAYOUT_LABEL = "tandem.dev/kv-layout"
 MODEL_CACHED_ANNOTATION = "tandem.dev/cached-model"
 MANAGER = "tandem-operator"
+ADMISSION_GATE = "tandem.dev/gang-admission"
+"""The schedulingGate engine pods are created with; the operator's gang admission removes it."""
 
 Manifest = dict[str, Any]
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, ROLE_LABEL
+from ..spec.roles import GPU_RESOURCE
 
 DOWNLOAD_ROLE = "download"
 
@@ -42,6 +43,12 @@ class PodSummary:
     terminating: bool = False
     waiting_message: str = ""
     kv_layout: str | None = None
+    name: str = ""
+    gpus: int = 0
+    """GPUs its containers request."""
+    node: str | None = None
+    gates: tuple[str, ...] = ()
+    """Its ``schedulingGates`` (the operator's gang admission holds it while one is there)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ class Facts:
     """The most GPUs any node has allocatable (None: nodes not known yet)."""
     planner: PlannerReport | None = None
     """The SLO planner loop's last round (None: none finished yet)."""
+    held: str | None = None
+    """What the operator's gang admission keeps gated and why (None: nothing waits)."""
 
 
 def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
@@ -160,7 +169,25 @@ def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:
         terminating=bool(meta.get("deletionTimestamp")),
         waiting_message=waiting_message,
         kv_layout=(meta.get("labels") or {}).get(KV_LAYOUT_LABEL),
+        name=meta.get("name") or "",
+        gpus=pod_gpus(body),
+        node=(body.get("spec") or {}).get("nodeName"),
+        gates=tuple(
+            g.get("name", "") for g in (body.get("spec") or {}).get("schedulingGates") or []
+        ),
     )
+
+
+def pod_gpus(body: dict[str, Any]) -> int:
+    """The GPUs a pod's containers request (a limit alone sets the request)."""
+    total = 0
+    for c in (body.get("spec") or {}).get("containers") or []:
+        resources = c.get("resources") or {}
+        value = (resources.get("requests") or {}).get(GPU_RESOURCE) or (
+            resources.get("limits") or {}
+        ).get(GPU_RESOURCE)
+        total += int(value or 0)
+    return total
 
 
 def pod_role(labels: dict[str, str]) -> str | None:

@@ -3,7 +3,7 @@ path, the autoscalers. Pure."""
 
 from __future__ import annotations
 
-from ..render.meta import cache_claim_name, cached_model_key
+from ..render.meta import ADMISSION_GATE, cache_claim_name, cached_model_key
 from ..spec.inference_service import InferenceService
 from ..spec.roles import GPU_RESOURCE
 from ..spec.status import Condition, RoleStatus
@@ -153,6 +153,9 @@ def role_condition(
         return counts, condition(type_, True, "Ready", message), False
     if too_big:
         return counts, _too_big(type_, gpus, largest), False
+    if any(ADMISSION_GATE in p.gates and not p.terminating for p in pods):
+        message = f"{d.ready}/{d.desired} ready; {facts.held or 'waiting for gang admission'}"
+        return counts, condition(type_, False, "WaitingForGPUs", message), False
     if d.replica_failure:
         message = f"{d.ready}/{d.desired} ready; the API server refused a pod: {d.replica_failure}"
         return counts, condition(type_, False, refusal_reason(d.replica_failure), message), False

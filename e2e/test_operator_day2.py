@@ -34,6 +34,7 @@ from e2e.utils import (
     _get,
     _isvc,
     _patch_engine,
+    _quota,
     _wait_ready,
     running_operator,
 )
@@ -114,13 +115,7 @@ def test_pods_the_api_server_refuses_are_degraded_within_seconds_with_its_words(
     ReplicaFailure=True FailedCreate at once; so does the InferenceService, each with a
     reason of its own, the API server's message, and one Warning Event per cause (not 3),
     long before the 2,100 s progress deadline."""
-    quota = {
-        "apiVersion": "v1",
-        "kind": "ResourceQuota",
-        "metadata": {"name": "gpus", "namespace": namespace},
-        "spec": {"hard": {"requests.nvidia.com/gpu": "0"}},
-    }
-    _apply(cluster, quota)
+    _apply(cluster, _quota(namespace, "gpus", {"requests.nvidia.com/gpu": "0"}))
     _apply(cluster, _isvc("quota", namespace, mode="Aggregated", decode={"gpus": 1}))
     isvc = _wait_condition(cluster, operator, namespace, "quota", "Ready", "QuotaExceeded")
     assert _condition(isvc, "Degraded")["reason"] == "QuotaExceeded"
@@ -141,17 +136,7 @@ def test_pods_the_api_server_refuses_are_degraded_within_seconds_with_its_words(
             lambda n=name, r=reason: _events(cluster, namespace, n, r),
             timeout=30,
         )
-        warnings = [
-            e
-            for e in cluster.kubectl_json(
-                "get",
-                "events",
-                "-n",
-                namespace,
-                "--field-selector",
-                f"involvedObject.kind=InferenceService,involvedObject.name={name},type=Warning",
-            )["items"]
-        ]
+        warnings = [e for e in _events(cluster, namespace, name) if e["type"] == "Warning"]
         assert [e["reason"] for e in warnings] == [reason], warnings
     for name in ("quota", "priority"):
         cluster.kubectl("delete", "tisvc", name, "-n", namespace, "--wait=true", "--timeout=60s")
@@ -202,14 +187,7 @@ def test_keda_without_its_controller_is_not_active_and_scale_to_zero_is_idle(
     assert _condition(isvc, "Degraded")["status"] == "False"
     assert _condition(isvc, "AutoscalingActive")["status"] == "True"
     assert "inactive (no demand)" in _condition(isvc, "AutoscalingActive")["message"]
-    items = cluster.kubectl_json(
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        f"involvedObject.kind=InferenceService,involvedObject.name={name}",
-    )["items"]
+    items = _events(cluster, namespace, name)
     assert not [e for e in items if e["type"] == "Warning"], items
     assert sorted(e["reason"] for e in items) == ["AllRolesReady", "Idle"]
     cluster.kubectl("scale", "deployment", f"{name}-engine", "-n", namespace, "--replicas=1")

@@ -58,8 +58,10 @@ def _table(cluster: Cluster, namespace: str, name: str, *flags: str) -> dict[str
     return {header[a:b].strip(): row[a:b].strip() for a, b in zip(bounds, bounds[1:], strict=False)}
 
 
-def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
-    """The Events on an InferenceService with this reason, as `kubectl get events` lists them."""
+def _events(
+    cluster: Cluster, namespace: str, name: str, reason: str | None = None
+) -> list[dict[str, Any]]:
+    """The Events on an InferenceService (with this reason), as `kubectl get events` lists them."""
     items = cluster.kubectl_json(
         "get",
         "events",
@@ -68,7 +70,7 @@ def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[di
         "--field-selector",
         f"involvedObject.kind=InferenceService,involvedObject.name={name}",
     )["items"]
-    return [e for e in items if e.get("reason") == reason]
+    return [e for e in items if reason is None or e.get("reason") == reason]
 
 
 def _patch_engine(
@@ -303,4 +305,13 @@ def _filler(namespace: str, replicas: int, gpus: int = 1) -> dict[str, Any]:
                 },
             },
         },
+    }
+
+
+def _quota(namespace: str, name: str, hard: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"hard": hard},
     }

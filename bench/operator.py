@@ -3,6 +3,9 @@ time, CPU and memory the operator needs to reconcile many InferenceServices.
 
     python bench/operator.py [--count 200] [--latency-runs 3]
 
+It also prints the Ready lag after the pods (the last service's status behind the last
+engine pod's Ready) and the Events posted per service.
+
 Baseline beside it, in the same run: the same manifests server-side applied straight from
 this process by the same client (no operator, no watches, no status), and their Deployments
 waited for. The ratio says what the operator adds on top of the API server's own work.
@@ -87,6 +90,21 @@ def ready_count(kube: Kube, namespace: str, condition: str = "Ready") -> int:
             for c in i["status"].get("conditions") or []
         )
     )
+
+
+def ready_lag(kube: Kube, namespace: str) -> float:
+    """Seconds from the last engine pod turning Ready to the last InferenceService showing
+    it (``DecodeReady``), both from the API server's lastTransitionTime."""
+
+    def stamp(conditions: list[dict[str, Any]], type_: str) -> float:
+        value = next((c["lastTransitionTime"] for c in conditions if c["type"] == type_), None)
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")) if value else 0.0
+
+    pods = kube.list("v1", "Pod", namespace, "app.kubernetes.io/component=engine")
+    isvcs = kube.list("tandem.dev/v1alpha1", "InferenceService", namespace, "")
+    last_pod = max(stamp(p["status"].get("conditions") or [], "Ready") for p in pods)
+    last_isvc = max(stamp(i["status"].get("conditions") or [], "DecodeReady") for i in isvcs)
+    return last_isvc - last_pod
 
 
 def crd_established(kube: Kube) -> bool:
@@ -210,6 +228,8 @@ def main() -> int:
         cpu1, rss, peak = proc_stats(operator.pid)
         time.sleep(15)  # settle: events after Ready must not make the operator write more
         cpu2, _, _ = proc_stats(operator.pid)
+        lag = ready_lag(kube, "fleet")
+        events = len((kube.request("GET", "/api/v1/namespaces/fleet/events") or {})["items"])
 
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         print(
@@ -235,6 +255,11 @@ def main() -> int:
         print(
             f"  operator RSS idle {idle_rss / 1024:.0f} MiB, after {rss / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB"
         )
+        print(
+            f"  Ready lag after pods: the last service DecodeReady {lag:.0f}s after the last "
+            "engine pod Ready (API server timestamps, 1 s resolution)"
+        )
+        print(f"  Events on InferenceServices: {events} ({events / args.count:.2f} per service)")
         return 0
     finally:
         if operator is not None:

@@ -229,7 +229,12 @@ def main() -> int:
         time.sleep(15)  # settle: events after Ready must not make the operator write more
         cpu2, _, _ = proc_stats(operator.pid)
         lag = ready_lag(kube, "fleet")
-        events = len((kube.request("GET", "/api/v1/namespaces/fleet/events") or {})["items"])
+        events = [
+            e
+            for e in (kube.request("GET", "/api/v1/namespaces/fleet/events") or {})["items"]
+            if e["involvedObject"]["kind"] == "InferenceService"
+        ]
+        reasons = sorted({e["reason"] for e in events})
 
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         print(
@@ -259,7 +264,10 @@ def main() -> int:
             f"  Ready lag after pods: the last service DecodeReady {lag:.0f}s after the last "
             "engine pod Ready (API server timestamps, 1 s resolution)"
         )
-        print(f"  Events on InferenceServices: {events} ({events / args.count:.2f} per service)")
+        print(
+            f"  Events on InferenceServices: {len(events)} ({len(events) / args.count:.2f} per "
+            f"service; reasons {', '.join(reasons)})"
+        )
         return 0
     finally:
         if operator is not None:

@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from e2e.cluster import Cluster, bin_dir, missing_binaries  # noqa: E402
+from e2e.cluster import Cluster, NodeShape, bin_dir, missing_binaries  # noqa: E402
 from e2e.pools import operator_process  # noqa: E402
 from tandem.operator.kube import Kube, load_config  # noqa: E402
 from tandem.operator.render.manifests import render  # noqa: E402
@@ -138,6 +138,11 @@ def main() -> int:
     parser.add_argument("--latency-runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--operator-log-level", default="info")
+    parser.add_argument(
+        "--pods-per-node",
+        default="110",
+        help="each of kwok's two nodes' pod capacity (raise it past 110 for --count > 200)",
+    )
     args = parser.parse_args()
     if missing_binaries(bin_dir()):
         print("control plane binaries missing: run bash e2e/setup.sh", file=sys.stderr)
@@ -145,7 +150,7 @@ def main() -> int:
 
     state = Path(tempfile.mkdtemp(prefix="tandem-bench-operator-"))
     print(f"state and logs in {state}", file=sys.stderr)
-    cluster = Cluster(state / "cluster")
+    cluster = Cluster(state / "cluster", nodes=NodeShape(pods=args.pods_per_node))
     operator: subprocess.Popen[bytes] | None = None
     try:
         cluster.start()

@@ -3,6 +3,9 @@ time, CPU and memory the operator needs to reconcile many InferenceServices.
 
     python bench/operator.py [--count 200] [--latency-runs 3]
 
+It also prints the Ready lag after the pods (the last service's status behind the last
+engine pod's Ready) and the Events posted per service.
+
 Baseline beside it, in the same run: the same manifests server-side applied straight from
 this process by the same client (no operator, no watches, no status), and their Deployments
 waited for. The ratio says what the operator adds on top of the API server's own work.
@@ -28,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from e2e.cluster import Cluster, bin_dir, missing_binaries  # noqa: E402
+from e2e.cluster import Cluster, NodeShape, bin_dir, missing_binaries  # noqa: E402
 from e2e.pools import operator_process  # noqa: E402
 from tandem.operator.kube import Kube, load_config  # noqa: E402
 from tandem.operator.render.manifests import render  # noqa: E402
@@ -89,6 +92,21 @@ def ready_count(kube: Kube, namespace: str, condition: str = "Ready") -> int:
     )
 
 
+def ready_lag(kube: Kube, namespace: str) -> float:
+    """Seconds from the last engine pod turning Ready to the last InferenceService showing
+    it (``DecodeReady``), both from the API server's lastTransitionTime."""
+
+    def stamp(conditions: list[dict[str, Any]], type_: str) -> float:
+        value = next((c["lastTransitionTime"] for c in conditions if c["type"] == type_), None)
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")) if value else 0.0
+
+    pods = kube.list("v1", "Pod", namespace, "app.kubernetes.io/component=engine")
+    isvcs = kube.list("tandem.dev/v1alpha1", "InferenceService", namespace, "")
+    last_pod = max(stamp(p["status"].get("conditions") or [], "Ready") for p in pods)
+    last_isvc = max(stamp(i["status"].get("conditions") or [], "DecodeReady") for i in isvcs)
+    return last_isvc - last_pod
+
+
 def crd_established(kube: Kube) -> bool:
     crd = kube.request(
         "GET",
@@ -120,6 +138,11 @@ def main() -> int:
     parser.add_argument("--latency-runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--operator-log-level", default="info")
+    parser.add_argument(
+        "--pods-per-node",
+        default="110",
+        help="each of kwok's two nodes' pod capacity (raise it past 110 for --count > 200)",
+    )
     args = parser.parse_args()
     if missing_binaries(bin_dir()):
         print("control plane binaries missing: run bash e2e/setup.sh", file=sys.stderr)
@@ -127,7 +150,7 @@ def main() -> int:
 
     state = Path(tempfile.mkdtemp(prefix="tandem-bench-operator-"))
     print(f"state and logs in {state}", file=sys.stderr)
-    cluster = Cluster(state / "cluster")
+    cluster = Cluster(state / "cluster", nodes=NodeShape(pods=args.pods_per_node))
     operator: subprocess.Popen[bytes] | None = None
     try:
         cluster.start()
@@ -210,6 +233,13 @@ def main() -> int:
         cpu1, rss, peak = proc_stats(operator.pid)
         time.sleep(15)  # settle: events after Ready must not make the operator write more
         cpu2, _, _ = proc_stats(operator.pid)
+        lag = ready_lag(kube, "fleet")
+        events = [
+            e
+            for e in (kube.request("GET", "/api/v1/namespaces/fleet/events") or {})["items"]
+            if e["involvedObject"]["kind"] == "InferenceService"
+        ]
+        reasons = sorted({e["reason"] for e in events})
 
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         print(
@@ -234,6 +264,14 @@ def main() -> int:
         )
         print(
             f"  operator RSS idle {idle_rss / 1024:.0f} MiB, after {rss / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB"
+        )
+        print(
+            f"  Ready lag after pods: the last service DecodeReady {lag:.0f}s after the last "
+            "engine pod Ready (API server timestamps, 1 s resolution)"
+        )
+        print(
+            f"  Events on InferenceServices: {len(events)} ({len(events) / args.count:.2f} per "
+            f"service; reasons {', '.join(reasons)})"
         )
         return 0
     finally:

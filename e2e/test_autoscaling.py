@@ -62,6 +62,10 @@ def test_chart_installs_a_pod_monitor_when_the_prometheus_operator_crds_exist(
     assert spec["selector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "tandem-operator"
     assert spec["podTargetLabels"] == ["tandem.dev/inferenceservice", "tandem.dev/role"]
     assert spec["podMetricsEndpoints"][0]["port"] == "http"
+    # the operator's own metrics (controller_runtime_*), scraped from its metrics port
+    operator = _get(cluster, "podmonitor", f"{RELEASE}-operator", RELEASE_NS)["spec"]
+    assert operator["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert operator["selector"]["matchLabels"]["app.kubernetes.io/name"] == "tandem"
 
 
 def test_new_autoscaling_rules_are_enforced_by_the_api_server(

@@ -58,8 +58,10 @@ def _table(cluster: Cluster, namespace: str, name: str, *flags: str) -> dict[str
     return {header[a:b].strip(): row[a:b].strip() for a, b in zip(bounds, bounds[1:], strict=False)}
 
 
-def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
-    """The Events on an InferenceService with this reason, as `kubectl get events` lists them."""
+def _events(
+    cluster: Cluster, namespace: str, name: str, reason: str | None = None
+) -> list[dict[str, Any]]:
+    """The Events on an InferenceService (with this reason), as `kubectl get events` lists them."""
     items = cluster.kubectl_json(
         "get",
         "events",
@@ -68,7 +70,7 @@ def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[di
         "--field-selector",
         f"involvedObject.kind=InferenceService,involvedObject.name={name}",
     )["items"]
-    return [e for e in items if e.get("reason") == reason]
+    return [e for e in items if reason is None or e.get("reason") == reason]
 
 
 def _patch_engine(
@@ -232,3 +234,84 @@ def _wait_ready(
         print(op.tail(), file=sys.stderr)
         raise
     return _get(cluster, "tisvc", name, namespace)
+
+
+class Watch:
+    """``kubectl get --watch`` in the background: every version of the objects, in the order
+    the API server sent them, so a test can check an invariant at each event rather than
+    poll (and miss a short violation)."""
+
+    def __init__(self, cluster: Cluster, path: Path, *args: str) -> None:
+        self.cluster, self.path, self.args = cluster, path, args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Watch:
+        with self.path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.cluster.bin_dir / "kubectl"),
+                    "get",
+                    *self.args,
+                    "--watch",
+                    "--output-watch-events",
+                    "-o",
+                    "json",
+                ],
+                stdout=out,
+                stderr=subprocess.DEVNULL,
+                env=self.cluster.tool_env(),
+            )
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The watch events so far: ``{"type": ADDED|MODIFIED|DELETED, "object": ...}``."""
+        text, decoder, out, at = self.path.read_text(), json.JSONDecoder(), [], 0
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at >= len(text):
+                return out
+            try:
+                event, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return out  # the last event is still being written
+            out.append(event)
+
+
+def _filler(namespace: str, replicas: int, gpus: int = 1) -> dict[str, Any]:
+    """Pods of ``gpus`` GPUs each, to leave exactly the GPUs a test wants free."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "filler", "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "filler"}},
+            "template": {
+                "metadata": {"labels": {"app": "filler"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "f",
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def _quota(namespace: str, name: str, hard: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"hard": hard},
+    }

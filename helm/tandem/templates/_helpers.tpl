@@ -54,7 +54,8 @@ app.kubernetes.io/component: operator
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  # patch: only to remove the gang-admission schedulingGate (admission.py)
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]

@@ -49,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PodGroup API: feature gates GenericWorkload and GangScheduling, "
         "scheduling.k8s.io/v1alpha2 enabled; default: $TANDEM_GANG_SCHEDULING)",
     )
+    parser.add_argument(
+        "--admission-gates",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("TANDEM_ADMISSION_GATES", "true") != "false",
+        help="create GPU engine pods with a schedulingGate and remove it only when the whole "
+        "service fits the free GPUs (GA since Kubernetes 1.30; default on; --gang-scheduling, "
+        "the PodGroup API, replaces it)",
+    )
     _runtime_arguments(parser)
 
 
@@ -74,6 +82,12 @@ def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
         "such as bench/autoscale.py --cluster)",
     )
     parser.add_argument(
+        "--metrics-address",
+        default="",
+        help="serve the operator's own metrics (controller_runtime_reconcile_total, ...) at "
+        "host:port, e.g. 0.0.0.0:8081 (port 0: any free port, logged); '' serves none",
+    )
+    parser.add_argument(
         "--liveness",
         default="http://0.0.0.0:8080/healthz",
         help="kopf liveness endpoint ('' disables)",
@@ -83,6 +97,11 @@ def _runtime_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=None,
         help="print the manifests for an InferenceService YAML ('-' for stdin) and exit",
+    )
+    parser.add_argument(
+        "--check-uninstall",
+        action="store_true",
+        help="exit 1 while InferenceServices exist (the chart's pre-delete hook), else 0",
     )
     parser.add_argument(
         "--log-level",
@@ -102,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         image=args.image,
         image_pull_policy=args.image_pull_policy,
         gang_scheduling=args.gang_scheduling,
+        admission_gates=args.admission_gates and not args.gang_scheduling,
     )
     if args.render:
         return _render(args.render, options)
@@ -116,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
     namespaces = args.namespaces or [
         n for n in os.environ.get("TANDEM_WATCH_NAMESPACES", "").split(",") if n
     ]
+    if args.check_uninstall:
+        from .kube import Kube, client
+        from .uninstall import check_uninstall
+
+        return check_uninstall(Kube(client.ApiClient()), tuple(namespaces))
     memo = operator_memo(
         OperatorOptions(
             render=options,
@@ -123,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             peering=args.peering,
             namespaces=tuple(namespaces),
             planner=args.planner,
+            metrics_address=args.metrics_address,
         )
     )
     kopf.run(

@@ -27,12 +27,13 @@ from typing import Any
 import kopf
 
 from .autoscaler.loop import run_planner
-from .bodies import ISVC, inference_service_of
+from .bodies import ISVC, inference_service_of, plain_body
 from .indexes import MANAGED, index_kwargs
 from .kube import Kube, KubeError
 from .peering import ensure_peering, leader_priority
-from .reconcile import on_child_event, reconcile
+from .reconcile import on_child_event, reconcile, refresh_status
 from .state import OperatorOptions, OperatorState
+from .status.children import PlannerReport
 
 KOPF_PREFIX = "kopf.tandem.dev"
 PLANNER_INTERVAL_SECONDS = 15.0
@@ -98,6 +99,9 @@ def connect(memo: kopf.Memo, **_: Any) -> None:
     state.kube = Kube(client.ApiClient())
     if state.options.peering:
         ensure_peering(state.kube, state.options.peering, state.options.namespaces)
+    if state.options.metrics_address:
+        state.metrics.watch_queue(lambda: len(state.refreshes))
+        state.metrics.serve(state.options.metrics_address)
     log.info(
         "started: namespaces %s, peering %s",
         ",".join(state.options.namespaces) or "all",
@@ -153,7 +157,9 @@ async def resync(
 
 
 @kopf.timer(*ISVC, interval=PLANNER_INTERVAL_SECONDS, when=lambda spec, **_: bool(spec.get("slo")))
-async def plan_pools(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def plan_pools(
+    body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """The Planner backend: size prefill and decode for spec.slo from live metrics."""
     state: OperatorState = memo.state
     if not state.options.planner:
@@ -168,19 +174,20 @@ async def plan_pools(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo
             time.monotonic(),
         )
     except (KubeError, OSError, KeyError, ValueError) as exc:
+        # a condition, not only a log line: AutoscalingActive=False PlannerFailing
         log.warning("[%s/%s] planner: %s", namespace, name, exc)
-        return
-    state.planner[key] = decision.state
-    log.info(
-        "[%s/%s] planner: %.2f req/s, isl %.0f, osl %.0f -> %d prefill, %d decode",
-        namespace,
-        name,
-        decision.load.rate,
-        decision.load.isl,
-        decision.load.osl,
-        decision.prefill,
-        decision.decode,
-    )
+        state.planner_reports[key] = PlannerReport(False, f"{type(exc).__name__}: {exc}")
+    else:
+        state.planner[key] = decision.state
+        message = (
+            f"{decision.load.rate:.2f} req/s, isl {decision.load.isl:.0f}, "
+            f"osl {decision.load.osl:.0f} -> {decision.prefill} prefill, {decision.decode} decode"
+        )
+        log.info("[%s/%s] planner: %s", namespace, name, message)
+        sized = f"sized {decision.prefill} prefill, {decision.decode} decode for the SLO"
+        state.planner_reports[key] = PlannerReport(True, sized)
+    async with state.lock(key):
+        await refresh_status(state, key, plain_body(body), index_kwargs(kwargs))
 
 
 @kopf.on.delete(*ISVC, optional=True)

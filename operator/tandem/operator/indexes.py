@@ -11,6 +11,7 @@ from typing import Any
 
 import kopf
 
+from .admission import GpuPod
 from .bodies import ISVC, plain_body
 from .render.meta import MANAGER, ROLE_LABEL, download_job_name
 from .spec.roles import GPU_RESOURCE
@@ -18,6 +19,7 @@ from .state import Key
 from .status.children import (
     AutoscalerSummary,
     Children,
+    pod_gpus,
     pod_role,
     scaled_object_health,
     summarize_autoscaler,
@@ -39,6 +41,7 @@ INDEXES = (
     "child_scaledobjects",
     "child_pools",
     "node_gpus",
+    "gpu_pods",
 )
 
 
@@ -92,7 +95,8 @@ def child_scaledobjects(
     owner, role = owner_of(labels), labels.get(ROLE_LABEL)
     if not (owner and role):
         return {}
-    return {(namespace, owner): AutoscalerSummary(role, *scaled_object_health(dict(body)))}
+    health = scaled_object_health(dict(body))
+    return {(namespace, owner): AutoscalerSummary(role, *health, kind="ScaledObject")}
 
 
 @kopf.index("inference.networking.k8s.io", "v1", "inferencepools", id="child_pools", labels=MANAGED)
@@ -102,10 +106,23 @@ def child_pools(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) 
 
 
 @kopf.index("", "v1", "nodes", id="node_gpus")
-def node_gpus(body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Allocatable GPUs per node: a pod asking for more than the largest is Unschedulable."""
+def node_gpus(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Allocatable GPUs per node: a pod asking for more than the largest is Unschedulable,
+    and gang admission places pods into what the nodes have free."""
     allocatable = (body.get("status") or {}).get("allocatable") or {}
-    return {None: int(allocatable.get(GPU_RESOURCE) or 0)}
+    return {None: (name, int(allocatable.get(GPU_RESOURCE) or 0))}
+
+
+@kopf.index("", "v1", "pods", id="gpu_pods")
+def gpu_pods_index(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Every running or pending pod that asks for GPUs, wherever it is: what is not free."""
+    if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return {}
+    gpus = pod_gpus(dict(body))
+    if not gpus:
+        return {}
+    spec = body.get("spec") or {}
+    return {None: GpuPod(spec.get("nodeName"), gpus, bool(spec.get("schedulingGates")))}
 
 
 def children_of(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) -> Children:
@@ -125,8 +142,16 @@ def children_of(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) ->
 
 def largest_node_gpus(indexes: dict[str, kopf.Index]) -> int | None:
     """The most GPUs any node has allocatable; None while no node is known."""
-    gpus = list(indexes["node_gpus"].get(None, []))
+    gpus = node_gpus_by_name(indexes).values()
     return max(gpus) if gpus else None
+
+
+def node_gpus_by_name(indexes: dict[str, kopf.Index]) -> dict[str, int]:
+    return dict(indexes["node_gpus"].get(None, []))
+
+
+def gpu_pods(indexes: dict[str, kopf.Index]) -> list[GpuPod]:
+    return list(indexes["gpu_pods"].get(None, []))
 
 
 def index_kwargs(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:

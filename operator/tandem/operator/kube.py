@@ -155,6 +155,22 @@ class Kube:
             ok_missing=True,
         )
 
+    def remove_gate(self, namespace: str, pod: str, gate: str) -> None:
+        """Remove one schedulingGate from a pod (the only change a pod's gates allow), with a
+        JSON patch that tests the gate is still there, so a concurrent edit is not undone."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{quote(pod)}"
+        current = self.request("GET", path, ok_missing=True)
+        gates = ((current or {}).get("spec") or {}).get("schedulingGates") or []
+        names = [g.get("name") for g in gates]
+        if gate not in names:
+            return
+        index = names.index(gate)
+        patch = [
+            {"op": "test", "path": f"/spec/schedulingGates/{index}/name", "value": gate},
+            {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
+        ]
+        self.request("PATCH", path, patch, content_type="application/json-patch+json")
+
     def post_event(
         self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str
     ) -> None:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from .autoscaler.planner import PlannerState
 from .kube import Kube
+from .metrics import OperatorMetrics
 from .render.options import RenderOptions
+from .status.children import PlannerReport
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class OperatorOptions:
     planner: bool = True
     """Run the Planner backend's loop; off when something else drives
     :func:`~.autoscaler.loop.run_planner` (``bench/autoscale.py --cluster``, in simulated time)."""
+    metrics_address: str = ""
+    """``host:port`` to serve the operator's own metrics at ('' serves none)."""
 
 
 Key = tuple[str, str]
@@ -33,6 +37,7 @@ class OperatorState:
 
     options: OperatorOptions
     kube: Kube | None = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     applied_generation: dict[Key, int] = field(default_factory=dict)
     apply_errors: dict[Key, str] = field(default_factory=dict)
     """The API server's message for an InferenceService whose last apply failed."""
@@ -41,6 +46,12 @@ class OperatorState:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     planner: dict[Key, PlannerState] = field(default_factory=dict)
     """The SLO planner's state (its stabilisation window) per InferenceService."""
+    refreshes: dict[Key, asyncio.Task[None]] = field(default_factory=dict)
+    """The status refresh scheduled per InferenceService (``reconcile.on_child_event``)."""
+    held: dict[Key, bool] = field(default_factory=dict)
+    """Whether the last apply held the old KV layout's engines (``rollout.py``)."""
+    planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)
+    """How each InferenceService's last planner round went, for AutoscalingActive."""
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -56,5 +67,7 @@ class OperatorState:
             self.posted,
             self.locks,
             self.planner,
+            self.planner_reports,
+            self.held,
         ):
             table.pop(key, None)

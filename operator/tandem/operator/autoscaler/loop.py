@@ -14,6 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from ..render.meta import child_base
 from ..spec.inference_service import InferenceService
 from .metrics import queries
 from .planner import Decision, PlannerState, config_for, decide
@@ -47,7 +48,7 @@ def run_planner(
     cm = kube.request("GET", f"/api/v1/namespaces/{ns}/configmaps/{spec.slo.profile_config_map}")
     profile = EngineProfile.from_dict(json.loads(cm["data"][PROFILE_KEY]))
     samples = read_samples(spec.prefill.autoscaling.prometheus_address, ns, name)
-    pools = (f"{name}-prefill", f"{name}-decode")
+    pools = (f"{child_base(name)}-prefill", f"{child_base(name)}-decode")
     scales = [kube.request("GET", _scale_path(ns, p)) for p in pools]
     current = tuple(int((s.get("spec") or {}).get("replicas") or 0) for s in scales)
     decision = decide(state, now, samples, config_for(isvc, profile), (current[0], current[1]))

@@ -9,6 +9,7 @@ from typing import Any
 from ..spec.inference_service import InferenceService
 from ..topology import RolePlan, Topology
 from .meta import (
+    ADMISSION_GATE,
     KV_LAYOUT_LABEL,
     MODEL_ANNOTATION,
     Manifest,
@@ -71,6 +72,9 @@ def engine_deployment(
         "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
         "template": template,
     }
+    if options.hold_old_layout:
+        # new pods turn Ready (and pair) but are not yet available: no old pod is retired
+        spec["minReadySeconds"] = spec["progressDeadlineSeconds"] - 1
     if role.autoscaling is None:
         spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
     return {
@@ -111,6 +115,8 @@ def engine_pod_spec(
         pod_spec["priorityClassName"] = rs.priority_class_name
     if options.gang_scheduling and topology.mode == "Disaggregated":
         pod_spec["schedulingGroup"] = {"podGroupName": pod_group_name(topology)}
+    elif options.admission_gates and role.gpus > 0:
+        pod_spec["schedulingGates"] = [{"name": ADMISSION_GATE}]
     return pod_spec
 
 

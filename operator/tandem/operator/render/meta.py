@@ -7,9 +7,10 @@ indexes, the proxy's discovery, pruning), so they are decided here once.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
-from ..spec.inference_service import API_VERSION, KIND, InferenceService
+from ..spec.inference_service import API_VERSION, KIND, NAME_MAX, InferenceService
 from ..topology import COMPONENT_LABEL, ENGINE_SELECTOR_LABEL, RolePlan, Topology
 
 ROLE_LABEL = "tandem.dev/role"
@@ -17,8 +18,29 @@ MODEL_ANNOTATION = "tandem.dev/served-model-name"
 KV_LAYOUT_LABEL = "tandem.dev/kv-layout"
 MODEL_CACHED_ANNOTATION = "tandem.dev/cached-model"
 MANAGER = "tandem-operator"
+ADMISSION_GATE = "tandem.dev/gang-admission"
+"""The schedulingGate engine pods are created with; the operator's gang admission removes it."""
 
 Manifest = dict[str, Any]
+
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+NAME_DIGEST_CHARS = 6
+
+
+def child_base(name: str) -> str:
+    """The prefix of every child's name: ``name`` itself when it is a DNS-1035 label (a
+    Service's name must be one), else a cleaned, prefixed form plus a stable hash of the
+    original. The API server accepts any DNS-1123 subdomain up to NAME_MAX characters
+    (``1model``, ``a.b``); each then gets children it can name, and two names never share
+    children (``a.b`` and ``a-b`` differ by the hash). At most NAME_MAX characters."""
+    if DNS_1035_LABEL.match(name):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:NAME_DIGEST_CHARS]
+    cleaned = re.sub(r"[^a-z0-9-]", "-", name)
+    if not cleaned[0].isalpha():
+        cleaned = f"x{cleaned}"
+    cleaned = cleaned[: NAME_MAX - NAME_DIGEST_CHARS - 1].rstrip("-")
+    return f"{cleaned}-{digest}"
 
 
 def labels(topology: Topology, component: str, role: str | None = None) -> dict[str, str]:
@@ -65,23 +87,27 @@ def object_meta(
 
 
 def pool_name(topology: Topology, role: RolePlan) -> str:
-    return f"{topology.name}-{role.name}"
+    return f"{child_base(topology.name)}-{role.name}"
 
 
 def proxy_service_name(topology: Topology) -> str:
-    return topology.name
+    return child_base(topology.name)
 
 
 def download_job_name(topology: Topology) -> str:
     digest = hashlib.sha256(
         f"{topology.model.repo_id}@{topology.model.revision}".encode()
     ).hexdigest()[:8]
-    return f"{topology.name}-download-{digest}"
+    return f"{child_base(topology.name)}-download-{digest}"
 
 
 def cache_claim_name(isvc: InferenceService) -> str:
     cache = isvc.spec.model.cache
-    return cache.claim_name if cache and cache.claim_name else f"{isvc.metadata.name}-model-cache"
+    return (
+        cache.claim_name
+        if cache and cache.claim_name
+        else f"{child_base(isvc.metadata.name)}-model-cache"
+    )
 
 
 def cached_model_key(topology: Topology) -> str:
@@ -91,13 +117,13 @@ def cached_model_key(topology: Topology) -> str:
 
 def service_url(isvc: InferenceService) -> str:
     """The in-cluster OpenAI endpoint."""
-    port = isvc.spec.proxy.service.port
-    return f"http://{isvc.metadata.name}.{isvc.metadata.namespace}.svc.cluster.local:{port}/v1"
+    port, host = isvc.spec.proxy.service.port, child_base(isvc.metadata.name)
+    return f"http://{host}.{isvc.metadata.namespace}.svc.cluster.local:{port}/v1"
 
 
 def internal_secret_name(topology: Topology) -> str:
-    return f"{topology.name}-internal"
+    return f"{child_base(topology.name)}-internal"
 
 
 def pod_group_name(topology: Topology) -> str:
-    return f"{topology.name}-engines"
+    return f"{child_base(topology.name)}-engines"

@@ -19,3 +19,10 @@ class RenderOptions:
     """The cache claim already holds the model (a retained cache): no download Job."""
     gang_scheduling: bool = False
     """Admit a Disaggregated service's engines as a gang (Kubernetes' PodGroup API)."""
+    hold_old_layout: bool = False
+    """A KV-layout change is under way and no new-layout pair is Ready yet: keep the old
+    engines (``rollout.hold_old_layout``)."""
+    admission_gates: bool = False
+    """Create GPU engine pods with a schedulingGate that the operator's gang admission
+    removes once the whole service fits (``admission.py``); the operator turns it on unless
+    the PodGroup API does the same (``gang_scheduling``)."""

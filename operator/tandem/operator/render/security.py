@@ -7,7 +7,7 @@ from typing import Any
 
 from ..spec.inference_service import InferenceService
 from ..topology import COMPONENT_LABEL, ENGINE_SELECTOR_LABEL, Topology
-from .meta import Manifest, internal_secret_name, object_meta
+from .meta import Manifest, child_base, internal_secret_name, object_meta
 
 INTERNAL_KEY = "internal-api-key"  # the key in the internal-credential Secret
 METRICS_SCRAPER_LABEL = "tandem.dev/metrics-scraper"
@@ -54,7 +54,7 @@ def network_policy(isvc: InferenceService, topology: Topology) -> Manifest:
     policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": object_meta(isvc, topology, f"{topology.name}-engines", "engine"),
+        "metadata": object_meta(isvc, topology, f"{child_base(topology.name)}-engines", "engine"),
         "spec": {
             "podSelector": {
                 "matchLabels": {ENGINE_SELECTOR_LABEL: topology.name, COMPONENT_LABEL: "engine"}

@@ -25,6 +25,9 @@ CATEGORIES = ["tandem"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 NAME_MAX = 40  # children are named <name>-prefill, <name>-model-<hash>...: keep them DNS labels
+# What the API server accepts as any object's name (a DNS-1123 subdomain); children's names
+# are derived from it as DNS-1035 labels (render.meta.child_base).
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class InferenceServiceSpec(SpecModel):
@@ -127,9 +130,7 @@ class ObjectMeta(BaseModel):
     """The parts of metadata the plan uses; the rest is kept as given."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(
-        ..., min_length=1, max_length=NAME_MAX, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-    )
+    name: str = Field(..., min_length=1, max_length=NAME_MAX, pattern=DNS_1123_SUBDOMAIN)
     namespace: str = "default"
     uid: str | None = None
     generation: int | None = None

@@ -30,7 +30,9 @@ class InferenceServiceStatus(SpecModel):
     """``status``: recomputed from the children; never carries the operator's bookkeeping."""
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Downloading", "Progressing", "Ready", "Degraded"] | None = None
+    phase: Literal["Pending", "Downloading", "Progressing", "Ready", "Idle", "Degraded"] | None = (
+        None
+    )
     url: str | None = None
     selector: str | None = None
     decode_selector: str | None = Field(

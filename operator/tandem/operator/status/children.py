@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, ROLE_LABEL
+from ..spec.roles import GPU_RESOURCE
 
 DOWNLOAD_ROLE = "download"
 
@@ -23,6 +24,12 @@ class DeploymentSummary:
     updated: int
     available: int
     deadline_exceeded: bool = False
+    replica_failure: str | None = None
+    """The API server's refusal of a pod (``ReplicaFailure=True``, reason ``FailedCreate``:
+    a quota, an admission policy, a missing PriorityClass), as the Deployment copies it from
+    its ReplicaSet."""
+    total: int | None = None
+    """Pods of every revision (``status.replicas``): above ``updated`` while old pods remain."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,12 @@ class PodSummary:
     terminating: bool = False
     waiting_message: str = ""
     kv_layout: str | None = None
+    name: str = ""
+    gpus: int = 0
+    """GPUs its containers request."""
+    node: str | None = None
+    gates: tuple[str, ...] = ()
+    """Its ``schedulingGates`` (the operator's gang admission holds it while one is there)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +72,10 @@ class ClaimSummary:
 class AutoscalerSummary:
     role: str
     scaling_active: bool | None
+    """None while its controller has not reported (or is not installed)."""
     reason: str = ""
     message: str = ""
+    kind: str = "HorizontalPodAutoscaler"
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,15 @@ class Children:
 
 
 @dataclass(frozen=True)
+class PlannerReport:
+    """How the Planner backend's last round went: what it set, or why it could not. Only
+    what changes with the outcome, so a steady planner does not rewrite the status."""
+
+    ok: bool
+    message: str
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the operator itself knows, beside the children."""
 
@@ -109,6 +133,10 @@ class Facts:
     """The API server's message when the last apply failed."""
     largest_node_gpus: int | None = None
     """The most GPUs any node has allocatable (None: nodes not known yet)."""
+    planner: PlannerReport | None = None
+    """The SLO planner loop's last round (None: none finished yet)."""
+    held: str | None = None
+    """What the operator's gang admission keeps gated and why (None: nothing waits)."""
 
 
 def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
@@ -129,6 +157,15 @@ def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
         deadline_exceeded=any(
             c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
             for c in conditions
+        ),
+        total=int(status.get("replicas") or 0),
+        replica_failure=next(
+            (
+                c.get("message") or c.get("reason") or "FailedCreate"
+                for c in conditions
+                if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+            ),
+            None,
         ),
     )
 
@@ -159,7 +196,25 @@ def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:
         terminating=bool(meta.get("deletionTimestamp")),
         waiting_message=waiting_message,
         kv_layout=(meta.get("labels") or {}).get(KV_LAYOUT_LABEL),
+        name=meta.get("name") or "",
+        gpus=pod_gpus(body),
+        node=(body.get("spec") or {}).get("nodeName"),
+        gates=tuple(
+            g.get("name", "") for g in (body.get("spec") or {}).get("schedulingGates") or []
+        ),
     )
+
+
+def pod_gpus(body: dict[str, Any]) -> int:
+    """The GPUs a pod's containers request (a limit alone sets the request)."""
+    total = 0
+    for c in (body.get("spec") or {}).get("containers") or []:
+        resources = c.get("resources") or {}
+        value = (resources.get("requests") or {}).get(GPU_RESOURCE) or (
+            resources.get("limits") or {}
+        ).get(GPU_RESOURCE)
+        total += int(value or 0)
+    return total
 
 
 def pod_role(labels: dict[str, str]) -> str | None:
@@ -206,17 +261,22 @@ def summarize_autoscaler(body: dict[str, Any], role: str) -> AutoscalerSummary:
 
 
 def scaled_object_health(body: dict[str, Any]) -> tuple[bool | None, str, str]:
-    """(able to scale, reason, message) of a ScaledObject, as ``status.AutoscalerSummary``
-    takes them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA
-    resolved its triggers and target. None while KEDA has not reported (or does not run).
-    An inactive ScaledObject (a pool at zero with no demand) is healthy."""
+    """(able to scale, reason, message) of a ScaledObject, as ``AutoscalerSummary`` takes
+    them for an HPA's ``ScalingActive``: its ``Ready`` condition says whether KEDA resolved
+    its triggers and target; ``Active`` whether there is demand now (an inactive one, a pool
+    at zero with no demand, is healthy). None while KEDA has not reported: with no KEDA
+    controller in the cluster, nothing ever scales the pool."""
     conditions = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
     ready = conditions.get("Ready")
     if ready is None or ready.get("status") == "Unknown":
         return None, "", ""
     ok = ready.get("status") == "True"
+    message = ready.get("message") or ""
+    if ok:
+        active = (conditions.get("Active") or {}).get("status") == "True"
+        message = f"{message}; {'active' if active else 'inactive (no demand)'}".lstrip("; ")
     return (
         ok,
         ready.get("reason") or ("ScaledObjectReady" if ok else "ScaledObjectNotReady"),
-        (ready.get("message") or ""),
+        message,
     )

@@ -12,6 +12,7 @@ from ..topology import Topology
 from .children import Children, Facts
 from .conditions import (
     FAILURES,
+    ROLE_CONDITIONS,
     autoscaling_condition,
     condition,
     model_condition,
@@ -36,19 +37,29 @@ def compute_status(
 
     ``observed_generation`` is the generation whose manifests were last applied (the
     handlers pass it; recomputing status from a child's event never advances it).
+
+    ``Ready`` means a request can be served now (a serving path exists), whatever a rollout
+    or a scale-up is doing; ``RolloutComplete`` and ``Progressing`` say how far the latest
+    spec is rolled out; ``Degraded`` says what will not fix itself; a pool its autoscaler
+    scaled to zero is ``Idle``, not a failure.
     """
     model = model_condition(isvc, topology, children)
     model_is_ready = model.status == "True"
     roles, role_conditions, rolling = _pools(topology, children, model_is_ready, facts)
     rolling = rolling or (not model_is_ready and model.reason == "Downloading")
-    autoscaling = autoscaling_condition(children)
-    failures, all_ready = _failures(
-        isvc, children, observed_generation, facts, model, role_conditions, autoscaling
+    autoscaling = autoscaling_condition(isvc, children, facts.planner)
+    idle = _idle(topology, children)
+    no_path = serving_path(isvc, children.pods)
+    failures, complete = _failures(
+        isvc, children, observed_generation, facts, model, role_conditions, idle, no_path
     )
-    progressing_now = rolling and not all_ready and not failures
+    if autoscaling is not None and autoscaling.reason in FAILURES:
+        failures.append(autoscaling)
+    serving = no_path is None
     conditions = [
-        _ready(all_ready, failures, model, role_conditions),
-        _progressing(progressing_now, all_ready),
+        _ready(serving, no_path, idle, failures, model, role_conditions),
+        _progressing(rolling and not complete and not failures, complete),
+        _rollout_complete(complete, failures),
         _degraded(failures),
         model,
         *role_conditions,
@@ -60,7 +71,7 @@ def compute_status(
     decode_role = topology.role("decode") or topology.role("both")
     return InferenceServiceStatus(
         observed_generation=observed_generation,
-        phase=_phase(all_ready, failures, model_is_ready, children),
+        phase=_phase(serving, idle, failures, model_is_ready, children),
         url=service_url(isvc) if topology.router == "proxy" else None,  # else the Gateway's
         selector=topology.engine_selector,
         decode_selector=f"{topology.engine_selector},{ROLE_LABEL}={decode_role.role}"
@@ -95,6 +106,20 @@ def _pools(
     return roles, role_conditions, rolling
 
 
+def _idle(topology: Topology, children: Children) -> list[str]:
+    """The engine pools that their autoscaler (KEDA or the planner, minReplicas 0) has
+    scaled to zero: the documented scale-to-zero, not a failure."""
+    by_role = {d.role: d for d in children.deployments}
+    return [
+        r.role
+        for r in topology.engines
+        if r.autoscaling is not None
+        and r.autoscaling.min_replicas == 0
+        and r.role in by_role
+        and by_role[r.role].desired == 0
+    ]
+
+
 def _failures(
     isvc: InferenceService,
     children: Children,
@@ -102,54 +127,72 @@ def _failures(
     facts: Facts,
     model: Condition,
     role_conditions: list[Condition],
-    autoscaling: Condition | None,
+    idle: list[str],
+    no_path: str | None,
 ) -> tuple[list[Condition], bool]:
-    """(what keeps the service from serving and will not fix itself, the one Ready reports
-    first; whether the service serves the latest spec)."""
+    """(what keeps the service from serving or rolling out and will not fix itself, the one
+    Ready reports first; whether the latest spec is wholly rolled out)."""
     failures: list[Condition] = []
     if facts.apply_error:
         failures.append(condition("Applied", False, "ApplyFailed", facts.apply_error))
     failures += [c for c in (model, *role_conditions) if c.reason in FAILURES]
     applied = observed_generation == isvc.metadata.generation and not facts.apply_error
-    roles_ready = all(c.status == "True" for c in role_conditions) and model.status == "True"
-    no_path = serving_path(isvc, children.pods)
-    if roles_ready and applied and no_path:
+    idle_types = {ROLE_CONDITIONS[r] for r in idle}
+    settled = [c for c in role_conditions if c.type not in idle_types]
+    roles_ready = all(c.status == "True" for c in settled) and model.status == "True"
+    if roles_ready and applied and no_path and not idle:
         failures.append(condition("Ready", False, "NoServingPath", no_path))
-    elif any(c.reason == "ScaledToZero" for c in role_conditions) and not failures:
+    elif any(c.reason == "ScaledToZero" for c in settled) and not failures:
         message = no_path or "a pool has 0 replicas"
         failures.append(condition("Ready", False, "NoServingPath", message))
-    all_ready = roles_ready and applied and no_path is None
-    if autoscaling is not None and autoscaling.status == "False":
-        failures.append(autoscaling)
-    return failures, all_ready
+    return failures, roles_ready and applied and (no_path is None or bool(idle))
 
 
 def _ready(
-    all_ready: bool, failures: list[Condition], model: Condition, role_conditions: list[Condition]
+    serving: bool,
+    no_path: str | None,
+    idle: list[str],
+    failures: list[Condition],
+    model: Condition,
+    role_conditions: list[Condition],
 ) -> Condition:
-    """``Ready``, and when it is False the first reason a user should look at."""
-    first_bad = next((c for c in role_conditions if c.status != "True"), None)
-    if all_ready:
+    """``Ready``: whether a serving path exists; when not, the first reason to look at."""
+    if serving:
         return condition("Ready", True, "AllRolesReady", "the endpoint serves the model")
     if failures:
         return condition("Ready", False, failures[0].reason, failures[0].message)
+    if idle:
+        message = f"scaled to zero by its autoscaler ({', '.join(idle)}); the next request wakes it"
+        return condition("Ready", False, "Idle", message)
     if model.status != "True":
         return condition("Ready", False, "DownloadingModel", model.message)
+    first_bad = next((c for c in role_conditions if c.status != "True"), None)
     if first_bad is not None:
         message = f"{first_bad.type}: {first_bad.message}"
         return condition("Ready", False, first_bad.reason, message)
-    return condition("Ready", False, "Reconciling", "the latest spec has not been applied yet")
+    message = no_path or "the latest spec has not been applied yet"
+    return condition("Ready", False, "Reconciling", message)
 
 
-def _progressing(progressing_now: bool, all_ready: bool) -> Condition:
+def _progressing(progressing_now: bool, complete: bool) -> Condition:
     return condition(
         "Progressing",
         progressing_now,
-        "RollingUpdate" if progressing_now else ("Complete" if all_ready else "Stalled"),
+        "RollingUpdate" if progressing_now else ("Complete" if complete else "Stalled"),
         "replicas are being created, downloaded or updated"
         if progressing_now
-        else ("all replicas are updated and ready" if all_ready else "waiting on a failure"),
+        else ("all replicas are updated and ready" if complete else "waiting on a failure"),
     )
+
+
+def _rollout_complete(complete: bool, failures: list[Condition]) -> Condition:
+    """Like a Deployment's rollout status: the latest spec is applied and every pool has
+    its replicas updated and ready (``kubectl wait --for=condition=RolloutComplete``)."""
+    if complete:
+        return condition("RolloutComplete", True, "Complete", "every pool runs the latest spec")
+    if failures:
+        return condition("RolloutComplete", False, failures[0].reason, failures[0].message)
+    return condition("RolloutComplete", False, "RollingUpdate", "the latest spec is rolling out")
 
 
 def _degraded(failures: list[Condition]) -> Condition:
@@ -162,12 +205,18 @@ def _degraded(failures: list[Condition]) -> Condition:
 
 
 def _phase(
-    all_ready: bool, failures: list[Condition], model_is_ready: bool, children: Children
+    serving: bool,
+    idle: list[str],
+    failures: list[Condition],
+    model_is_ready: bool,
+    children: Children,
 ) -> str:
-    if all_ready:
+    if serving:
         return "Ready"
     if failures:
         return "Degraded"
+    if idle:
+        return "Idle"
     if not model_is_ready:
         return "Downloading"
     if not children.deployments:

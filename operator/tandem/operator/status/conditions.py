@@ -3,12 +3,20 @@ path, the autoscalers. Pure."""
 
 from __future__ import annotations
 
-from ..render.meta import cache_claim_name, cached_model_key
+from ..render.meta import ADMISSION_GATE, cache_claim_name, cached_model_key
 from ..spec.inference_service import InferenceService
 from ..spec.roles import GPU_RESOURCE
 from ..spec.status import Condition, RoleStatus
 from ..topology import Topology
-from .children import DOWNLOAD_ROLE, Children, DeploymentSummary, Facts, PodSummary
+from .children import (
+    DOWNLOAD_ROLE,
+    AutoscalerSummary,
+    Children,
+    DeploymentSummary,
+    Facts,
+    PlannerReport,
+    PodSummary,
+)
 
 # Reasons that mean "something is wrong that will not fix itself": Degraded=True, a Warning event.
 FAILURES = frozenset(
@@ -26,6 +34,10 @@ FAILURES = frozenset(
         "ProgressDeadlineExceeded",
         "NoServingPath",
         "AutoscalingInactive",
+        "PlannerFailing",
+        "QuotaExceeded",
+        "PriorityClassNotFound",
+        "AdmissionRefused",
     }
 )
 IMAGE_PULL = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
@@ -129,7 +141,11 @@ def role_condition(
         available=d.available,
         replicas=f"{d.ready}/{d.desired}",
     )
-    rolled = d.observed_generation >= d.generation and d.updated >= d.desired
+    rolled = (
+        d.observed_generation >= d.generation
+        and d.updated >= d.desired
+        and (d.total is None or d.total <= d.updated)  # no old pod left
+    )
     if d.desired == 0:
         return counts, condition(type_, False, "ScaledToZero", "0 replicas requested"), False
     if rolled and d.ready >= d.desired:
@@ -137,6 +153,12 @@ def role_condition(
         return counts, condition(type_, True, "Ready", message), False
     if too_big:
         return counts, _too_big(type_, gpus, largest), False
+    if any(ADMISSION_GATE in p.gates and not p.terminating for p in pods):
+        message = f"{d.ready}/{d.desired} ready; {facts.held or 'waiting for gang admission'}"
+        return counts, condition(type_, False, "WaitingForGPUs", message), False
+    if d.replica_failure:
+        message = f"{d.ready}/{d.desired} ready; the API server refused a pod: {d.replica_failure}"
+        return counts, condition(type_, False, refusal_reason(d.replica_failure), message), False
     problem = pod_problem(pods)
     if problem:
         reason, message = problem
@@ -150,6 +172,15 @@ def role_condition(
         return counts, condition(type_, False, "RollingUpdate", message), True
     message = f"{d.ready}/{d.desired} replicas ready"
     return counts, condition(type_, False, "PodsNotReady", message), True
+
+
+def refusal_reason(message: str) -> str:
+    """A reason of its own for each way the API server refuses a Deployment's pod."""
+    if "exceeded quota" in message:
+        return "QuotaExceeded"
+    if "PriorityClass" in message:
+        return "PriorityClassNotFound"
+    return "AdmissionRefused"  # a webhook, a ValidatingAdmissionPolicy, Pod Security, ...
 
 
 def _not_created(type_: str, model_is_ready: bool) -> Condition:
@@ -188,18 +219,59 @@ def serving_path(isvc: InferenceService, pods: list[PodSummary]) -> str | None:
     return None if any(p.role == "proxy" for p in ready) else "no proxy pod is ready"
 
 
-def autoscaling_condition(children: Children) -> Condition | None:
-    if not children.autoscalers:
+def autoscaling_condition(
+    isvc: InferenceService, children: Children, planner: PlannerReport | None
+) -> Condition | None:
+    """What the autoscaling backends themselves say: an HPA's ``ScalingActive``, a KEDA
+    ScaledObject's ``Ready``, the planner loop's last round. Unknown while a backend has not
+    reported (a ScaledObject no KEDA controller reads stays so); None when nothing is
+    autoscaled."""
+    reports = [_autoscaler_report(a) for a in children.autoscalers]
+    if _planned(isvc):
+        reports.append(_planner_report(planner))
+    if not reports:
         return None
-    bad = next((a for a in children.autoscalers if a.scaling_active is False), None)
-    if bad:
-        return condition(
-            "AutoscalingActive",
-            False,
-            "AutoscalingInactive",
-            f"{bad.role} autoscaler: {bad.reason}: {bad.message}",
+    failing = next((r for r in reports if r[0] == "False"), None)
+    if failing:
+        return Condition(
+            type="AutoscalingActive", status="False", reason=failing[1], message=failing[2]
         )
-    return condition("AutoscalingActive", True, "ScalingActive", "the autoscalers can read metrics")
+    silent = [r for r in reports if r[0] == "Unknown"]
+    if silent:
+        message = "; ".join(r[2] for r in silent)
+        return Condition(
+            type="AutoscalingActive", status="Unknown", reason="NotReported", message=message
+        )
+    message = "; ".join(r[2] for r in reports)
+    return condition("AutoscalingActive", True, "ScalingActive", message)
+
+
+def _planned(isvc: InferenceService) -> bool:
+    roles = (isvc.spec.prefill, isvc.spec.decode)
+    return any(r and r.autoscaling and r.autoscaling.backend == "Planner" for r in roles)
+
+
+def _autoscaler_report(a: AutoscalerSummary) -> tuple[str, str, str]:
+    """(status, reason, message) of one HPA or ScaledObject."""
+    what = f"{a.role} {a.kind}"
+    if a.scaling_active is None:
+        controller = "KEDA's operator" if a.kind == "ScaledObject" else "the HPA controller"
+        return (
+            "Unknown",
+            "NotReported",
+            f"{what}: {controller} has not reported on it (is it running?)",
+        )
+    if a.scaling_active:
+        return "True", "ScalingActive", f"{what}: {a.reason}: {a.message}".rstrip(": ")
+    return "False", "AutoscalingInactive", f"{what}: {a.reason}: {a.message}"
+
+
+def _planner_report(planner: PlannerReport | None) -> tuple[str, str, str]:
+    if planner is None:
+        return "Unknown", "NotReported", "the planner has not finished a round yet"
+    if planner.ok:
+        return "True", "ScalingActive", f"planner, last round: {planner.message}"
+    return "False", "PlannerFailing", f"planner, last round: {planner.message}"
 
 
 def pool_condition(children: Children) -> Condition:

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
 PrefixCacheScope = Literal["key", "global"]
+SpeculativeMethod = Literal["ngram", "draft"]
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,13 @@ class EngineConfig:
     # Embeddings and /pooling: the hidden state of the last token (a decoder LM's default, as
     # vLLM's), the mean over the prompt, or the first token's (CLS); see pooling.py.
     pooling: PoolingKind = "last"
+    # Speculative decoding (docs/speculative.md): "ngram" proposes up to
+    # num_speculative_tokens tokens a step by prompt lookup, verified in one forward pass;
+    # None (the default) decodes one token a step. "draft" (a small model, speculative_model)
+    # is reserved and not built yet.
+    speculative_method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -97,6 +105,23 @@ class EngineConfig:
         _check(
             self.prefix_cache_scope in get_args(PrefixCacheScope),
             f"prefix_cache_scope must be key or global, got {self.prefix_cache_scope!r}",
+        )
+
+        _check(
+            self.speculative_method in (None, *get_args(SpeculativeMethod)),
+            f"speculative_method must be ngram or draft, got {self.speculative_method!r}",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}",
+        )
+        _check(
+            self.speculative_method != "draft",
+            "speculative_method=draft (a draft model) is not built yet; use ngram",
+        )
+        _check(
+            self.speculative_model is None,
+            "speculative_model is only read by speculative_method=draft, which is not built yet",
         )
 
     def replace(self, **changes: object) -> EngineConfig:

@@ -33,6 +33,7 @@ from .sampler import RowError, SamplerOutput, sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
+from .spec_decode.speculator import Speculator
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
@@ -72,6 +73,12 @@ class LLMEngine:
         )
         self._groups: dict[str, list[Request]] = {}
         self.totals = Totals()
+        self.speculator: Speculator | None = None
+        if config.speculative_method == "ngram":
+            self.speculator = Speculator(
+                config.num_speculative_tokens, self.kv, self.max_model_len, self.totals
+            )
+            self.scheduler.propose = self.speculator.propose
 
     # ----- requests -----------------------------------------------------------------------
     def add_request(
@@ -238,7 +245,10 @@ class LLMEngine:
             raise
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
-        if sampling:
+        if self.speculator is not None and any(r.draft.token_ids for r in sampling):
+            take = lambda reqs, out: self._take_samples(reqs, out, report)  # noqa: E731
+            self.speculator.verify(logits, sampling, take)
+        elif sampling:
             self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
 

@@ -427,6 +427,16 @@ class BlockPoolInfo(StrictOut):
     utilization: float
 
 
+class SpecDecodeInfo(StrictOut):
+    """Speculative decoding since start (only on an engine that speculates)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    accepted_per_position: list[int]
+
+
 class HealthResponse(StrictOut):
     status: str
     model: str
@@ -442,6 +452,7 @@ class HealthResponse(StrictOut):
     gpu_memory_used: str | None = None
     gpu_memory_total: str | None = None
     weights: WeightsInfo | None = None
+    spec_decode: SpecDecodeInfo | None = None
 
 
 class GenerateMetaInfo(StrictOut):

@@ -85,7 +85,9 @@ class Scheduler:
         if self.propose is None or n != 1 or req.num_uncomputed_tokens != 1:
             return 0
         draft = self.propose(req, budget - n)
-        if not draft or not self.kv.allocate(req, n + len(draft)):
+        more = self.kv.blocks_for(req.num_computed_tokens + n + len(draft)) - len(req.block_ids)
+        # Free blocks only: a guess never makes sessions give theirs back (kv.reclaim).
+        if not draft or more > self.kv.pool.num_free or not self.kv.allocate(req, n + len(draft)):
             return 0
         req.draft.token_ids = draft
         return len(draft)

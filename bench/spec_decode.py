@@ -4,8 +4,9 @@ speculation at concurrency 1, 4 and 16, on two workloads, and the same on vLLM's
 - ``edit``: chat requests asking SmolLM2-135M-Instruct to rewrite a given paragraph with its
   mistakes fixed (greedy, up to 160 tokens; the answer copies most of the paragraph, so prompt
   lookup guesses well). Goal: >= 1.5x at concurrency 1.
-- ``random``: prompts of random token ids, 128 tokens each (``ignore_eos``): little to look
-  up, so speculation must cost little when it misses (its length adapts). Goal: >= 0.95x.
+- ``random``: prompts of random token ids, 128 tokens each sampled at temperature 1 with a
+  seed per request (``ignore_eos``): little to look up, so speculation must cost little when
+  it misses (its length adapts). Goal: >= 0.95x. Seeded, the outputs are the same either way.
 
 Tandem runs the shipped model (the Q4_1 GGUF ``tandem serve`` loads by default); vLLM (0.32.0
 CPU, the peer ``bench/vllm_peer.py`` builds) runs the same model as a float32 HF folder with
@@ -73,6 +74,26 @@ def random_prompts(num: int, vocab: int = 49152) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(64, 128))] for _ in range(num)]
 
 
+def wave(workload: str, c: int, tokenizer) -> tuple[list[list[int]], list[dict]]:
+    """One wave of ``c`` requests: their prompts (token ids) and sampling arguments, the
+    same for both engines."""
+    if workload == "edit":
+        texts = [
+            tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+            for m in edit_messages(c)
+        ]
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return prompts, [{"temperature": 0.0, "max_tokens": EDIT_TOKENS}] * c
+    # Sampled at temperature 1 with a seed each: text with little to look up (greedy decoding
+    # of a small model falls into loops, which lookup guesses well), the same with speculation
+    # on or off (one uniform per token either way).
+    sampling = [
+        {"temperature": 1.0, "seed": i, "max_tokens": RANDOM_TOKENS, "ignore_eos": True}
+        for i in range(c)
+    ]
+    return random_prompts(c), sampling
+
+
 # ----- children: one engine each, driven over stdin/stdout ----------------------------------
 def child(side: str, model: str, spec: bool, tokens: int) -> None:
     run = (_tandem_child if side == "tandem" else _vllm_child)(model, spec, tokens)
@@ -98,16 +119,8 @@ def _tandem_child(model: str, spec: bool, tokens: int):
     )
 
     def run(workload: str, c: int) -> dict:
-        if workload == "edit":
-            tok = llm.tokenizer
-            prompts = [
-                tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                for m in edit_messages(c)
-            ]
-            params = SamplingParams(temperature=0.0, max_tokens=EDIT_TOKENS)
-        else:
-            prompts = random_prompts(c)
-            params = SamplingParams(temperature=0.0, max_tokens=RANDOM_TOKENS, ignore_eos=True)
+        prompts, sampling = wave(workload, c, llm.tokenizer)
+        params = [SamplingParams(**kw) for kw in sampling]
         llm.engine.kv.pool.reset_prefix_cache()
         before = llm.engine.stats()
         start = time.perf_counter()
@@ -152,16 +165,8 @@ def _vllm_child(model: str, spec: bool, tokens: int):
     )
 
     def run(workload: str, c: int) -> dict:
-        tok = llm.get_tokenizer()
-        if workload == "edit":
-            prompts = [
-                tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True)
-                for m in edit_messages(c)
-            ]
-            params = SamplingParams(temperature=0.0, max_tokens=EDIT_TOKENS)
-        else:
-            prompts = random_prompts(c)
-            params = SamplingParams(temperature=0.0, max_tokens=RANDOM_TOKENS, ignore_eos=True)
+        prompts, sampling = wave(workload, c, llm.get_tokenizer())
+        params = [SamplingParams(**kw) for kw in sampling]
         llm.reset_prefix_cache()
         start = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 
@@ -246,8 +247,7 @@ class LLMEngine:
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
         if self.speculator is not None and any(r.draft.token_ids for r in sampling):
-            take = lambda reqs, out: self._take_samples(reqs, out, report)  # noqa: E731
-            self.speculator.verify(logits, sampling, take)
+            self.speculator.verify(logits, sampling, partial(self._take_samples, report=report))
         elif sampling:
             self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]

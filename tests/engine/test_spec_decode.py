@@ -234,17 +234,21 @@ def test_structured_output_checks_each_proposed_token(llama: Path) -> None:
 
 
 def test_rejection_sampling_keeps_the_target_distribution(llama: Path) -> None:
-    """The second token's frequencies over 3000 seeds, with a proposal that is often wrong,
+    """The second token's frequencies over 2000 seeds, with a proposal that is often wrong,
     against transformers' probabilities (top-k 4 at temperature 1.5): a chi-square test."""
     prompt = [17, 99, 3, 250, 41]
-    top_k, temp, draws = 4, 1.5, 3000
+    top_k, temp, draws = 4, 1.5, 2000
     model = hf_model(str(llama))
 
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+
     def dist(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1].float() / temp
-        kth = logits.topk(top_k).values[-1]
-        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+        if tuple(ids) not in seen:
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float() / temp
+            kth = logits.topk(top_k).values[-1]
+            seen[tuple(ids)] = torch.softmax(logits.masked_fill(logits < kth, -torch.inf), -1)
+        return seen[tuple(ids)]
 
     first = dist(prompt)
     expected = sum(first[t] * dist(prompt + [t]) for t in first.nonzero().flatten().tolist())
@@ -265,7 +269,7 @@ def test_rejection_sampling_keeps_the_target_distribution(llama: Path) -> None:
     ]
     seconds = Counter(o.token_ids[1] for o in llm.generate([prompt] * draws, params))
     accepted, rejected = accepted_and_rejected(llm.engine)
-    assert accepted > 300 and rejected > 300
+    assert accepted > 200 and rejected > 200
     support = expected.nonzero().flatten().tolist()
     assert set(seconds) <= set(support)
     chi2 = sum(

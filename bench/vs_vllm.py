@@ -188,7 +188,7 @@ class Child:
         cmd += ["--kv-tokens", str(kv_tokens)]
         self.side = side
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(side)
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=side_env(side)
         )
         for line in self.proc.stdout:
             if line.strip() == "READY":
@@ -210,7 +210,7 @@ class Child:
         self.proc.wait(timeout=60)
 
 
-def _env(side: str, threads: int | None = None) -> dict[str, str]:
+def side_env(side: str, threads: int | None = None) -> dict[str, str]:
     """Each side's environment; ``threads`` caps both sides' compute threads alike."""
     env = dict(os.environ)
     threads = threads or THREADS
@@ -304,7 +304,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log.open("w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=_env(side), start_new_session=True
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=side_env(side),
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 900) -> None:
@@ -385,7 +389,7 @@ def bench_serve(
         name,
     ]
     before = server.step_seconds()
-    done = subprocess.run(cmd, env=_env("vllm"), capture_output=True, text=True)
+    done = subprocess.run(cmd, env=side_env("vllm"), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     result = json.loads((out / name).read_text())

@@ -107,3 +107,37 @@ def test_blocks_of_a_chunk_are_published_only_as_far_as_the_chunk_goes() -> None
     assert kv.pool.num_cached == 1
     late = make_request(list(range(1, 13)) + [99], "late", 1)
     assert kv.find_cached_prefix(late).block_ids == [1]
+
+
+def test_proposals_fit_the_budget_and_free_blocks_and_are_never_published() -> None:
+    """Speculation's hook: a decoding request computes its proposal within what is left of the
+    budget, only into free blocks (never preempting, never taking a session's), and the
+    prefix cache publishes only its verified tokens' blocks."""
+    kv = KVCacheManager(6, 4, True)  # 5 usable blocks
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
+    asked = []
+
+    def propose(req, budget):
+        asked.append(budget)
+        return [9] * min(budget, 5)
+
+    s.propose = propose
+    a = make_request([1, 2, 3, 4, 5, 6, 7], "a", 0)
+    s.add(a)
+    run_step(s)  # the prefill: no proposal
+    assert asked == [] and a.num_tokens == 8 and len(a.block_ids) == 2
+    batch = s.schedule()
+    # 1 + 5 tokens (positions 7..12) fit the budget of 8 and 2 more blocks
+    assert asked == [7] and batch.num_new_tokens == [6] and a.draft.token_ids == [9] * 5
+    assert len(a.block_ids) == 4
+    assert len(a.block_hashes) == 2  # published up to its 8 verified tokens: blocks 0 and 1
+    s.update(batch)
+    assert a.num_computed_tokens == 8  # the proposal counts once it is verified
+    a.draft.token_ids = []
+    a.output_token_ids.append(9)  # the model's own next token, nothing accepted
+    kv.trim(a)
+    assert len(a.block_ids) == 3 and kv.pool.num_free == 2
+    held = kv.pool.allocate(2)  # the pool is short: a proposal needs a block nobody has
+    batch = s.schedule()
+    assert batch.num_new_tokens == [1] and not batch.preempted and a.draft.token_ids == []
+    kv.pool.free(held)

@@ -190,3 +190,21 @@ def test_lora_engine_fields_map_onto_the_engines_flags() -> None:
     assert config.lora_paths == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
     assert (config.lora_enabled, config.max_loras, config.max_lora_rank) == (True, 2, 32)
     assert args.max_waiting_requests == 17
+
+
+def test_speculative_decoding_reaches_the_engine_under_the_cli_flags_names() -> None:
+    """``spec.engine.speculativeMethod`` / ``numSpeculativeTokens`` are ``tandem serve
+    --speculative-method`` / ``--num-speculative-tokens`` are ``EngineConfig``'s fields
+    (issue 33); a value the engine refuses is refused by the spec first."""
+    from tandem.server.engine.engine_args import engine_config_from_args
+
+    topo = plan(isvc(engine={"speculativeMethod": "ngram", "numSpeculativeTokens": 3}))
+    for role in ("prefill", "decode"):
+        args = topo.role(role).args
+        assert args[args.index("--speculative-method") + 1] == "ngram"
+        config = engine_config_from_args(parse(args), "/models/tiny")
+        assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
+    assert "--speculative-method" not in plan(isvc()).role("decode").args  # engine default
+    for bad in ({"speculativeMethod": "eagle"}, {"numSpeculativeTokens": 0}):
+        with pytest.raises(ValueError, match="(?i)speculative"):
+            isvc(engine=bad)

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem.server.engine.stats import EngineStats
 
 from .engine_loop import AsyncEngine
+
+if TYPE_CHECKING:
+    from ..engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -131,6 +135,7 @@ class _SnapshotCollector(Collector):
             g = GaugeMetricFamily("tandem:" + name, doc, labels=["model_name"])
             g.add_metric([self._model], value)
             yield g
+        yield from _spec_decode_counters(self._model, s)
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV cache configuration",
@@ -154,6 +159,29 @@ def _lora_info(s: EngineStats) -> GaugeMetricFamily:
     labels = [str(s.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)]
     g.add_metric(labels, time.time())
     return g
+
+
+def _spec_decode_counters(model: str, s: EngineStats) -> Iterator[CounterMetricFamily]:
+    """vLLM's speculative decoding counters (``_total`` in the text format), on an engine that
+    speculates: proposals, tokens proposed, tokens accepted, and accepted per position."""
+    if not s.spec_accepted_per_position:
+        return
+    for name, doc, value in [
+        ("spec_decode_num_drafts", "Proposals verified", s.spec_num_drafts),
+        ("spec_decode_num_draft_tokens", "Tokens proposed", s.spec_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted", s.spec_num_accepted_tokens),
+    ]:
+        c = CounterMetricFamily("vllm:" + name, doc, labels=["model_name"])
+        c.add_metric([model], value)
+        yield c
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted at each position of their proposal",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(s.spec_accepted_per_position):
+        per_pos.add_metric([model, str(pos)], value)
+    yield per_pos
 
 
 class ServerMetrics:

@@ -127,6 +127,17 @@ def health_body(state: ServerState, principal: str | None = "open") -> tuple[int
         used = sum(int((g["total_memory_gb"] - g["free_memory_gb"]) * 2**30) for g in gpus)
         total = sum(int(g["total_memory_gb"] * 2**30) for g in gpus)
         body.update(gpus=len(gpus), gpu_memory_used=_gib(used), gpu_memory_total=_gib(total))
+    if snap.spec_accepted_per_position:  # an engine that speculates
+        drafted = snap.spec_num_draft_tokens
+        body["spec_decode"] = {
+            "num_drafts": snap.spec_num_drafts,
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": snap.spec_num_accepted_tokens,
+            "acceptance_rate": round(snap.spec_num_accepted_tokens / drafted, 6)
+            if drafted
+            else 0.0,
+            "accepted_per_position": list(snap.spec_accepted_per_position),
+        }
     return (200 if status == "ok" else 503), body
 
 

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
 PrefixCacheScope = Literal["key", "global"]
+SpeculativeMethod = Literal["ngram", "draft"]
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,13 @@ class EngineConfig:
     lora_modules: tuple[str, ...] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Speculative decoding (docs/speculative.md): "ngram" proposes up to
+    # num_speculative_tokens tokens a step by prompt lookup, verified in one forward pass;
+    # None (the default) decodes one token a step. "draft" (a small model, speculative_model)
+    # is reserved and not built yet.
+    speculative_method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -106,6 +114,25 @@ class EngineConfig:
             f"prefix_cache_scope must be key or global, got {self.prefix_cache_scope!r}",
         )
         self._check_lora()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        _check(
+            self.speculative_method in (None, *get_args(SpeculativeMethod)),
+            f"speculative_method must be ngram or draft, got {self.speculative_method!r}",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}",
+        )
+        _check(
+            self.speculative_method != "draft",
+            "speculative_method=draft (a draft model) is not built yet; use ngram",
+        )
+        _check(
+            self.speculative_model is None,
+            "speculative_model is only read by speculative_method=draft, which is not built yet",
+        )
 
     def _check_lora(self) -> None:
         _check(self.max_loras >= 1, "max_loras must be >= 1")

@@ -105,6 +105,14 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes[:num_blocks])
         child.num_computed_tokens = num_blocks * self.block_size
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past the request's tokens (speculation wrote rejected
+        positions there; they were never published)."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
     def free(self, req: Request) -> None:
         if req.block_ids:
             self.pool.free(req.block_ids)

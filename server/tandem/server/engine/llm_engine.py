@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 
@@ -37,6 +38,7 @@ from .sampler import RowError, SamplerOutput, sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
+from .spec_decode.speculator import Speculator
 from .stats import EngineStats, Totals
 from .stopping import check_stop
 from .structured import GrammarCache
@@ -77,6 +79,12 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self.totals = Totals()
         self.loras = self._lora_registry()
+        self.speculator: Speculator | None = None
+        if config.speculative_method == "ngram":
+            self.speculator = Speculator(
+                config.num_speculative_tokens, self.kv, self.max_model_len, self.totals
+            )
+            self.scheduler.propose = self.speculator.propose
 
     def _lora_registry(self) -> LoraRegistry | None:
         """Multi-LoRA (``lora/``): the adapters named at the start, checked before serving."""
@@ -266,7 +274,9 @@ class LLMEngine:
             raise
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
-        if sampling:
+        if self.speculator is not None and any(r.draft.token_ids for r in sampling):
+            self.speculator.verify(logits, sampling, partial(self._take_samples, report=report))
+        elif sampling:
             self._take_samples(sampling, sample(logits, sampling), report)
         return ready + [o for gid in report if (o := self._group_output(gid)) is not None]
 

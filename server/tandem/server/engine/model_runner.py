@@ -86,15 +86,16 @@ def prepare_inputs(
             hidden_rows.extend(
                 base + p for p in rows_read(req.pooling.params.kind, start, end, req.num_tokens)
             )
-        input_ids.extend(req.token_slice(start, end))
+        draft = req.draft.token_ids  # speculation: verified after the request's last token
+        input_ids.extend(req.token_slice(start, end - len(draft)) + draft)
         positions.extend(range(start, end))
         table = req.block_ids
         slots.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
         kv_lens.append(end)
-        if end == req.num_tokens and req.pooling is None:
-            logits_rows.append(len(input_ids) - 1)
+        if end == req.num_tokens + len(draft) and req.pooling is None:
+            logits_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
             sampling.append(req)
     inputs = StepInputs(
         input_ids,

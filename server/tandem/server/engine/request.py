@@ -14,6 +14,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_transfer import RemotePrefill
 from .prefix_cache import ROOT_HASH
 from .sampling_params import SamplingParams
+from .spec_decode.draft import Draft
 
 if TYPE_CHECKING:
     from .lora.adapter import LoraAdapter
@@ -148,6 +149,7 @@ class Request:
     times: Timings = field(default_factory=Timings)
     handoff: HandoffState | None = None  # only a disaggregated request has one
     pooling: PoolingState | None = None  # only a pooled request has one
+    draft: Draft = field(default_factory=Draft)  # speculative decoding's proposal, if any
 
     @property
     def cache_root(self) -> int:

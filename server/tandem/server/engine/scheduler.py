@@ -5,6 +5,9 @@ Each step has a token budget. Running requests go first, decodes before unfinish
 ``max_num_seqs`` and the free blocks allow. A prompt longer than what is left of the budget is
 split into chunks across steps. When a running request cannot grow, the newest running
 requests are preempted (their blocks freed, recomputed later, mostly from the prefix cache).
+With speculative decoding, a decoding request may also compute the tokens its ``propose``
+hook guesses follow (``Request.draft``), when the budget and free blocks allow: never at the
+cost of a preemption.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Scheduler:
         # Whether a waiting request may join the running ones (multi-LoRA: at most max_loras
         # adapters at once); one that may not is skipped and keeps its place in the queue.
         self.admissible: Callable[[Request, list[Request]], bool] | None = None
+        # Speculative decoding's hook: the tokens to verify after a decoding request's last
+        # one, at most the int given (spec_decode/speculator.py); None decodes one a step.
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -71,9 +77,23 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
             if self._grow_or_preempt(req, n, batch):
+                n += self._speculate(req, n, budget)
                 self._take(batch, req, n)
                 budget -= n
         return budget
+
+    def _speculate(self, req: Request, n: int, budget: int) -> int:
+        """Give a decoding request its proposal, if it has one and it fits; returns its length."""
+        req.draft.token_ids = []
+        if self.propose is None or n != 1 or req.num_uncomputed_tokens != 1:
+            return 0
+        draft = self.propose(req, budget - n)
+        more = self.kv.blocks_for(req.num_computed_tokens + n + len(draft)) - len(req.block_ids)
+        # Free blocks only: a guess never makes sessions give theirs back (kv.reclaim).
+        if not draft or more > self.kv.pool.num_free or not self.kv.allocate(req, n + len(draft)):
+            return 0
+        req.draft.token_ids = draft
+        return len(draft)
 
     def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate(req, n):
@@ -137,12 +157,14 @@ class Scheduler:
         """Schedule ``n`` tokens of ``req`` and publish the blocks they will fill, so a request
         admitted after it in this very step can hit them (see ``cache_full_blocks``)."""
         batch.add(req, n)
-        self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
+        # Only verified tokens are published: never a proposal's (Request.draft).
+        self.kv.cache_full_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
 
     def update(self, batch: ScheduledBatch) -> None:
-        """After the model ran: the scheduled tokens are computed."""
+        """After the model ran: the scheduled tokens are computed (a proposal's only once
+        it is verified: ``Speculator.verify``)."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.draft.token_ids)
 
     def fork_siblings(self, leader: Request) -> None:
         """Siblings of an n > 1 request join the running set sharing the leader's full prompt

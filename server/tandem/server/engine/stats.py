@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,6 +18,12 @@ class Totals:
     preemptions: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # Speculative decoding: proposals verified, tokens proposed and accepted, and how often
+    # the proposal's token at each position was accepted (spec_decode/speculator.py).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,10 @@ class EngineStats:
     max_loras: int = 0
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_utilization(self) -> float:
@@ -71,4 +81,8 @@ class EngineStats:
             num_generated_tokens=totals.generated_tokens,
             num_leases=len(handoff.leases),
             num_pulling=len(handoff.pulling),
+            spec_num_drafts=totals.spec_drafts,
+            spec_num_draft_tokens=totals.spec_draft_tokens,
+            spec_num_accepted_tokens=totals.spec_accepted_tokens,
+            spec_accepted_per_position=tuple(totals.spec_accepted_per_position),
         )

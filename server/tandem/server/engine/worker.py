@@ -55,14 +55,15 @@ class Worker:
         (``prompt_logprobs.py``) are folded into their requests here."""
         inputs, sampling = prepare_inputs(batch, self.config.block_size, lora_slots)
         spans = prompt_spans(batch)
+        sampled = len(inputs.logits_rows)  # a speculating request samples several rows
         if spans:
             inputs = replace(inputs, logits_rows=inputs.logits_rows + span_rows(spans))
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
         logits, hidden = self.runner.run_pooled(inputs)
         if spans:
-            fold_prompt_logprobs(spans, logits[len(sampling) :])
-            logits = logits[: len(sampling)]
+            fold_prompt_logprobs(spans, logits[sampled:])
+            logits = logits[:sampled]
         return logits, hidden, sampling
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:

@@ -474,6 +474,16 @@ class ModelDetailsInfo(StrictOut):
     size: int
 
 
+class SpecDecodeInfo(StrictOut):
+    """Speculative decoding since start (only on an engine that speculates)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    accepted_per_position: list[int]
+
+
 class HealthResponse(StrictOut):
     status: str
     model: str
@@ -491,6 +501,7 @@ class HealthResponse(StrictOut):
     weights: WeightsInfo | None = None
     lora_adapters: list[str] = []  # the LoRA adapters it serves (the proxy routes by them)
     details: ModelDetailsInfo | None = None
+    spec_decode: SpecDecodeInfo | None = None
 
 
 class GenerateMetaInfo(StrictOut):

@@ -1,0 +1,37 @@
+"""One request's speculation state: this step's proposed tokens and how many to propose next.
+
+The length adapts to the request's own acceptance, so a request whose proposals keep missing
+stops paying for them: each verified proposal sets the next length to one more than it got
+accepted (up to the configured most), and a proposal with nothing accepted makes the request
+skip proposing for 1, 3, 7, ... 31 steps (doubling while it keeps missing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_SKIP = 31
+
+
+@dataclass(eq=False)
+class Draft:
+    token_ids: list[int] = field(default_factory=list)  # proposed for this step, unverified
+    length: int = 0  # how many to propose next; 0 until the first proposal (then the most)
+    skip: int = 0  # steps left without proposing
+    misses: int = 0  # proposals in a row with nothing accepted
+
+    def next_length(self, most: int) -> int:
+        """How many tokens to propose this step (0: skip this one)."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.length or most
+
+    def record(self, proposed: int, accepted: int, most: int) -> None:
+        """A proposal of ``proposed`` tokens was verified with ``accepted`` of them kept."""
+        self.length = most if accepted == proposed else max(1, accepted + 1)
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.skip = min(2**self.misses - 1, MAX_SKIP)

@@ -1,0 +1,133 @@
+"""Proposes tokens for the scheduler and verifies them with the engine's sampler.
+
+A decoding request with a proposal of ``k`` tokens computes ``k + 1`` positions in one step
+(its last token and the proposal) and gets ``k + 1`` rows of logits. Verification goes in
+rounds: round ``j`` samples row ``j`` of every request still agreeing, with the engine's own
+``sample`` (grammar masks, penalties, logit bias, min_tokens, logprobs, the request's generator)
+and appends the token through the engine's own path (stop checks, detokenizer, grammar). A
+request goes on to round ``j + 1`` only while its sampled token equals the proposed one, so
+row ``j + 1`` was computed on exactly the tokens the request now holds; the first token that
+differs (or the one after the whole proposal) is the target's own, and a stop ends it at once.
+
+Every emitted token is the target's draw from its own distribution given the tokens before it
+(one uniform from the request's generator per token, as without speculation), so greedy output
+is token for token what decoding one token a step gives, a seeded request samples the same
+tokens with speculation on or off, and temperature > 0 keeps the target distribution: for a
+proposal that is one token (a point mass ``q``), keeping it when the target's draw equals it
+and else emitting that draw is rejection sampling, accepting with probability ``p(d)`` and
+drawing from the residual ``p - q`` (``p`` without ``d``) otherwise.
+
+The K/V of positions whose proposed token was rejected were written but are never read: the
+request's ``num_computed_tokens`` counts only verified positions, the blocks past its tokens go
+back to the pool, and the prefix cache only ever publishes blocks of verified tokens
+(``Scheduler._take``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..kv_cache_manager import KVCacheManager
+from ..request import Request
+from ..sampler import SamplerOutput, sample
+from ..stats import Totals
+from .ngram import propose_ngram
+
+TakeSamples = Callable[[list[Request], SamplerOutput], None]
+# Proposes up to k tokens to follow a sequence's tokens (``propose_ngram``'s signature).
+Proposer = Callable[[list[int], int], list[int]]
+
+
+class Speculator:
+    """n-gram speculation for one engine: ``propose`` (the scheduler's hook) and ``verify``."""
+
+    def __init__(
+        self,
+        most: int,
+        kv: KVCacheManager,
+        max_model_len: int,
+        totals: Totals,
+        proposer: Proposer = propose_ngram,
+    ) -> None:
+        self.most = most
+        self.proposer = proposer
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.totals = totals
+        totals.spec_accepted_per_position = [0] * most
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Tokens to verify after ``req``'s last one this step (at most ``budget``): never
+        past its ``max_tokens`` or the context, and only what its grammar allows."""
+        left = min(
+            budget,
+            req.sampling.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if left <= 0 or req.pooling is not None:
+            return []
+        k = min(req.draft.next_length(self.most), left)
+        if k <= 0:
+            return []
+        return _grammar_allows(req, self.proposer(req.all_token_ids, k))
+
+    def verify(self, logits: torch.Tensor, requests: list[Request], take: TakeSamples) -> None:
+        """Sample each request's rows in rounds (see the module's docstring); ``take`` appends
+        a round's tokens (or fails its rows) as the engine does for any step."""
+        starts, row = [], 0
+        for req in requests:
+            starts.append(row)
+            row += 1 + len(req.draft.token_ids)
+        live, j = list(range(len(requests))), 0
+        accepted = [0] * len(requests)
+        while live:
+            reqs = [requests[i] for i in live]
+            out = sample(logits[[starts[i] + j for i in live]], reqs)
+            take(reqs, out)
+            agreeing = []
+            for i, token in zip(live, out.token_ids):
+                req = requests[i]
+                if j < len(req.draft.token_ids) and token == req.draft.token_ids[j]:
+                    accepted[i] += 1
+                    if not req.status.finished:
+                        req.num_computed_tokens += 1  # the proposed token's K/V is its own now
+                        agreeing.append(i)
+            live, j = agreeing, j + 1
+        for req, n in zip(requests, accepted):
+            self._settle(req, n)
+
+    def _settle(self, req: Request, accepted: int) -> None:
+        """Count a verified proposal, adapt the request's next one, give back the blocks past
+        its tokens (they held only rejected positions) and drop the proposal."""
+        proposed = len(req.draft.token_ids)
+        if not proposed:
+            return
+        t = self.totals
+        t.spec_drafts += 1
+        t.spec_draft_tokens += proposed
+        t.spec_accepted_tokens += accepted
+        for pos in range(accepted):
+            t.spec_accepted_per_position[pos] += 1
+        req.draft.record(proposed, accepted, self.most)
+        req.draft.token_ids = []
+        if not req.status.finished:
+            self.kv.trim(req)
+
+
+def _grammar_allows(req: Request, tokens: list[int]) -> list[int]:
+    """The longest start of ``tokens`` the request's grammar accepts from where it stands
+    (its matcher is rolled back after the check): a proposal the grammar forbids is never
+    computed."""
+    grammar = req.sampling.grammar
+    if grammar is None or not grammar.active or not tokens:
+        return tokens
+    n = 0
+    for token in tokens:
+        if not grammar.matcher.accept_token(token):
+            break
+        n += 1
+    if n:
+        grammar.matcher.rollback(n)
+    return tokens[:n]

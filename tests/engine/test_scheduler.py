@@ -128,16 +128,16 @@ def test_proposals_fit_the_budget_and_free_blocks_and_are_never_published() -> N
     assert asked == [] and a.num_tokens == 8 and len(a.block_ids) == 2
     batch = s.schedule()
     # 1 + 5 tokens (positions 7..12) fit the budget of 8 and 2 more blocks
-    assert asked == [7] and batch.num_new_tokens == [6] and a.draft.token_ids == [9] * 5
+    assert asked == [7] and batch.num_new_tokens == [6] and a.sampling.draft.token_ids == [9] * 5
     assert len(a.block_ids) == 4
     assert len(a.block_hashes) == 2  # published up to its 8 verified tokens: blocks 0 and 1
     s.update(batch)
     assert a.num_computed_tokens == 8  # the proposal counts once it is verified
-    a.draft.token_ids = []
+    a.sampling.draft.token_ids = []
     a.output_token_ids.append(9)  # the model's own next token, nothing accepted
     kv.trim(a)
     assert len(a.block_ids) == 3 and kv.pool.num_free == 2
     held = kv.pool.allocate(2)  # the pool is short: a proposal needs a block nobody has
     batch = s.schedule()
-    assert batch.num_new_tokens == [1] and not batch.preempted and a.draft.token_ids == []
+    assert batch.num_new_tokens == [1] and not batch.preempted and a.sampling.draft.token_ids == []
     kv.pool.free(held)

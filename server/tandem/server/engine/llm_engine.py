@@ -274,7 +274,7 @@ class LLMEngine:
             raise
         self.scheduler.update(batch)
         report = dict.fromkeys(self._pool(batch, hidden))
-        if self.speculator is not None and any(r.draft.token_ids for r in sampling):
+        if self.speculator is not None and any(r.sampling.draft.token_ids for r in sampling):
             self.speculator.verify(logits, sampling, partial(self._take_samples, report=report))
         elif sampling:
             self._take_samples(sampling, sample(logits, sampling), report)

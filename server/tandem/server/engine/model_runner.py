@@ -86,7 +86,7 @@ def prepare_inputs(
             hidden_rows.extend(
                 base + p for p in rows_read(req.pooling.params.kind, start, end, req.num_tokens)
             )
-        draft = req.draft.token_ids  # speculation: verified after the request's last token
+        draft = req.sampling.draft.token_ids  # speculation: verified after the request's last token
         input_ids.extend(req.token_slice(start, end - len(draft)) + draft)
         positions.extend(range(start, end))
         table = req.block_ids

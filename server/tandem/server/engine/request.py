@@ -49,12 +49,14 @@ class TokenLogprob:
 class SamplingState:
     """What drawing and stopping a sequence's next token read beyond its ``SamplingParams``:
     its length limit (``max_tokens`` resolved against the context), the model's EOS ids, its
-    own generator (seeded per choice) and its grammar's matcher (structured outputs)."""
+    own generator (seeded per choice), its grammar's matcher (structured outputs) and, when
+    the engine speculates, this step's proposal to verify (``spec_decode/``)."""
 
     max_tokens: int
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
     grammar: SequenceGrammar | None = None
+    draft: Draft = field(default_factory=Draft)
 
 
 @dataclass(eq=False)
@@ -149,7 +151,6 @@ class Request:
     times: Timings = field(default_factory=Timings)
     handoff: HandoffState | None = None  # only a disaggregated request has one
     pooling: PoolingState | None = None  # only a pooled request has one
-    draft: Draft = field(default_factory=Draft)  # speculative decoding's proposal, if any
 
     @property
     def cache_root(self) -> int:

@@ -6,7 +6,7 @@ Each step has a token budget. Running requests go first, decodes before unfinish
 split into chunks across steps. When a running request cannot grow, the newest running
 requests are preempted (their blocks freed, recomputed later, mostly from the prefix cache).
 With speculative decoding, a decoding request may also compute the tokens its ``propose``
-hook guesses follow (``Request.draft``), when the budget and free blocks allow: never at the
+hook guesses follow (``Request.sampling.draft``), when the budget and free blocks allow: never at the
 cost of a preemption.
 """
 
@@ -84,7 +84,7 @@ class Scheduler:
 
     def _speculate(self, req: Request, n: int, budget: int) -> int:
         """Give a decoding request its proposal, if it has one and it fits; returns its length."""
-        req.draft.token_ids = []
+        req.sampling.draft.token_ids = []
         if self.propose is None or n != 1 or req.num_uncomputed_tokens != 1:
             return 0
         draft = self.propose(req, budget - n)
@@ -92,7 +92,7 @@ class Scheduler:
         # Free blocks only: a guess never makes sessions give theirs back (kv.reclaim).
         if not draft or more > self.kv.pool.num_free or not self.kv.allocate(req, n + len(draft)):
             return 0
-        req.draft.token_ids = draft
+        req.sampling.draft.token_ids = draft
         return len(draft)
 
     def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
@@ -157,14 +157,14 @@ class Scheduler:
         """Schedule ``n`` tokens of ``req`` and publish the blocks they will fill, so a request
         admitted after it in this very step can hit them (see ``cache_full_blocks``)."""
         batch.add(req, n)
-        # Only verified tokens are published: never a proposal's (Request.draft).
+        # Only verified tokens are published: never a proposal's (Request.sampling.draft).
         self.kv.cache_full_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the model ran: the scheduled tokens are computed (a proposal's only once
         it is verified: ``Speculator.verify``)."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n - len(req.draft.token_ids)
+            req.num_computed_tokens += n - len(req.sampling.draft.token_ids)
 
     def fork_siblings(self, leader: Request) -> None:
         """Siblings of an n > 1 request join the running set sharing the leader's full prompt

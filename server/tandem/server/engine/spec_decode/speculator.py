@@ -68,7 +68,7 @@ class Speculator:
         )
         if left <= 0 or req.pooling is not None:
             return []
-        k = min(req.draft.next_length(self.most), left)
+        k = min(req.sampling.draft.next_length(self.most), left)
         if k <= 0:
             return []
         return _grammar_allows(req, self.proposer(req.all_token_ids, k))
@@ -79,7 +79,7 @@ class Speculator:
         starts, row = [], 0
         for req in requests:
             starts.append(row)
-            row += 1 + len(req.draft.token_ids)
+            row += 1 + len(req.sampling.draft.token_ids)
         live, j = list(range(len(requests))), 0
         accepted = [0] * len(requests)
         while live:
@@ -89,7 +89,10 @@ class Speculator:
             agreeing = []
             for i, token in zip(live, out.token_ids):
                 req = requests[i]
-                if j < len(req.draft.token_ids) and token == req.draft.token_ids[j]:
+                if (
+                    j < len(req.sampling.draft.token_ids)
+                    and token == req.sampling.draft.token_ids[j]
+                ):
                     accepted[i] += 1
                     if not req.status.finished:
                         req.num_computed_tokens += 1  # the proposed token's K/V is its own now
@@ -101,7 +104,7 @@ class Speculator:
     def _settle(self, req: Request, accepted: int) -> None:
         """Count a verified proposal, adapt the request's next one, give back the blocks past
         its tokens (they held only rejected positions) and drop the proposal."""
-        proposed = len(req.draft.token_ids)
+        proposed = len(req.sampling.draft.token_ids)
         if not proposed:
             return
         t = self.totals
@@ -110,8 +113,8 @@ class Speculator:
         t.spec_accepted_tokens += accepted
         for pos in range(accepted):
             t.spec_accepted_per_position[pos] += 1
-        req.draft.record(proposed, accepted, self.most)
-        req.draft.token_ids = []
+        req.sampling.draft.record(proposed, accepted, self.most)
+        req.sampling.draft.token_ids = []
         if not req.status.finished:
             self.kv.trim(req)
 

@@ -8,6 +8,7 @@ written as its escape (``\\x0a``, ``\\u2028``), so one record is always one line
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 
@@ -44,3 +45,13 @@ def configure_logging(level: str) -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, EscapeControls) for f in handler.filters):
             handler.addFilter(EscapeControls())
+
+
+def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``, the one ``configure_logging`` reads (serve, proxy and epp alike)."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the least severe log records written",
+    )

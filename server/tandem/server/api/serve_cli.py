@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tandem.server.engine.engine_args import add_engine_arguments, engine_config_from_args
+from tandem.server.logsafe import add_log_level_argument, configure_logging
 from tandem.server.net import add_listen_arguments, inherited_sockets, reserve_port
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
@@ -110,12 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         help="split <think>...</think> into reasoning_content",
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the least severe log records written",
-    )
+    add_log_level_argument(parser)
     add_edge_arguments(parser)
     add_engine_arguments(parser)
 
@@ -127,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
     from tandem.server.engine.loader import read_model_config
     from tandem.server.engine.models.config import ModelLoadError
     from tandem.server.engine.tokenizer import load_tokenizer
-    from tandem.server.logsafe import configure_logging
 
     from .app import build_app
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 
+from tandem.server.logsafe import add_log_level_argument, configure_logging
 from tandem.server.proxy.cli import (
     add_discovery_arguments,
     add_routing_arguments,
@@ -43,12 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-interval", type=float, default=0.5, help="seconds between /metrics scrapes"
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the least severe log records written",
-    )
+    add_log_level_argument(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> PickerSettings:
@@ -72,8 +68,6 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.server.logsafe import configure_logging
-
     from .server import serve
 
     configure_logging(args.log_level)

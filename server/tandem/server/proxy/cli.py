@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from tandem.server.logsafe import add_log_level_argument, configure_logging
 from tandem.server.net import add_listen_arguments, inherited_sockets
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 from tandem.server.wire.edge import add_edge_arguments, edge_from_args
@@ -45,12 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_routing_arguments(parser)
     _add_health_arguments(parser)
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="the least severe log records written",
-    )
+    add_log_level_argument(parser)
 
 
 def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,8 +157,6 @@ def discovery_from_args(
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from tandem.server.logsafe import configure_logging
 
     from .app import build_app
     from .discovery import parse_node_flag

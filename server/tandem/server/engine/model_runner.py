@@ -35,6 +35,7 @@ from .attention import BatchLayout, select_backend
 from .attention.base import SeqShape
 from .block_pool import NULL_BLOCK
 from .config import ConfigError, EngineConfig
+from .decode_chain import DecodeChain
 from .kv_cache import KVCache
 from .limits import max_model_len
 from .loader import load_model, reload_weights, resolve_dtype
@@ -196,6 +197,7 @@ class ModelRunner:
         )
         self._graphs: _Graphs | None = None
         self._capture_graphs()
+        self._chain = self._build_chain()
 
     # ----- memory ---------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -241,6 +243,7 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Level 1 frees the KV cache (and parks weights in host memory on a GPU); level 2 drops weights."""
         self.drop_graphs()  # they point at the memory about to go
+        self._chain = None  # so does it
         self.kv_cache.release()
         if level == 2:
             self.model.to_empty(device=torch.device("meta"))
@@ -253,6 +256,7 @@ class ModelRunner:
         """Swap in ``path``'s weights (same shapes; see ``loader.reload_weights``)."""
         reload_weights(self.model, path, self.dtype, self.tp, self.quantized)
         self.weights_path = path
+        self._chain = self._build_chain()
 
     def wake_up(self, level: int) -> None:
         if level == 2:
@@ -265,6 +269,7 @@ class ModelRunner:
             self.model.to(self.device)
         self.kv_cache.restore()
         self._capture_graphs()
+        self._chain = self._build_chain()
 
     # ----- the forward pass ------------------------------------------------------------------
     @torch.inference_mode()
@@ -279,12 +284,33 @@ class ModelRunner:
         """``run``'s logits, and the final-norm hidden states of ``inputs.hidden_rows``
         (float32, ``[len(hidden_rows), hidden]``): pooled rows never reach the lm_head."""
         size = self._graph_size(inputs)
-        hidden = self._replay(inputs, size) if size is not None else self._eager(inputs)
+        if size is not None:
+            hidden = self._replay(inputs, size)
+        elif self._chain is not None and self._chained(inputs):
+            hidden = self._chain.run(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.slots,
+                inputs.kv_lens,
+                inputs.block_tables,
+            )
+        else:
+            hidden = self._eager(inputs)
         pooled = hidden[self._index(inputs.hidden_rows)].float()
         if not compute_logits or not inputs.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32), pooled
         logits = self.model.compute_logits(hidden[self._index(inputs.logits_rows)]).float()
         return logits, pooled
+
+    def _build_chain(self) -> DecodeChain | None:
+        """The CPU's counterpart of the decode graphs, where the model qualifies."""
+        in_place = getattr(self.backend, "in_place", False)
+        scale = self.model_config.head_dim**-0.5
+        return DecodeChain.build(self.model, self.kv_cache, in_place, self.tp.size, scale)
+
+    @staticmethod
+    def _chained(inputs: StepInputs) -> bool:
+        return DecodeChain.takes(inputs) and not any(s >= 0 for s in inputs.lora_slots)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)

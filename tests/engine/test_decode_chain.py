@@ -1,0 +1,95 @@
+"""The decode chain (every layer of a small decode step in one C call) against the modules.
+
+It chains the kernels the modules call and rounds where they round, so a model's greedy
+tokens and their logprobs are the same bit for bit with it and without it, in float32 and
+bfloat16, for each block format; steps it does not take (prefills, more rows than the
+quantized kernel, models with q/k norm) run the modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tandem.server.engine import LLM, SamplingParams, kernels
+from tandem.server.engine.attention.base import SeqShape
+from tandem.server.engine.decode_chain import DecodeChain
+
+from .utils import encoder, write_gguf
+
+
+@dataclass(frozen=True)
+class _Shape(SeqShape):
+    query_lens: list[int]
+
+
+PROMPTS = ["Hello there, how are you", "The cat sat on", "Once upon a time, in a land far"]
+
+
+@pytest.fixture(autouse=True)
+def _need_chain(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    if not kernels.quant_gemv_for(torch.device("cpu"), torch.float32):
+        pytest.skip("the decode chain needs the AVX-512 C kernels")
+
+
+def _engine(tiny_models, tmp_path, arch: str, qtype: Q, dtype: str) -> LLM:
+    path = tmp_path / f"{arch}-{qtype.name}.gguf"
+    write_gguf(tiny_models[arch], path, encoder(qtype))
+    return LLM(str(path), dtype=dtype, kv_cache_tokens=2048)
+
+
+def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    llm.engine.kv.pool.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("arch", "qtype"), [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_0)]
+)
+def test_chain_equals_the_modules_bit_for_bit(tiny_models, tmp_path, arch, qtype, dtype) -> None:
+    llm = _engine(tiny_models, tmp_path, arch, qtype, dtype)
+    runner = llm.engine.worker.runner
+    chain = runner._chain
+    assert chain is not None
+    calls = []
+    original = chain.run
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(len(args[0]))
+        return original(*args)
+
+    chain.run = counted
+    got = _generate(llm, PROMPTS)
+    assert calls and set(calls) <= {1, 2, 3}  # decode steps of the batch ran as a chain
+    runner._chain = None
+    assert _generate(llm, PROMPTS) == got
+
+
+def test_steps_past_the_chain_run_the_modules(tiny_models, tmp_path) -> None:
+    """Nine rows: past the quantized kernel's eight, so past the chain; the same tokens."""
+    llm = _engine(tiny_models, tmp_path, "llama", Q.Q4_1, "float32")
+    prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
+    assert DecodeChain.takes(_Shape([1] * 8)) and not DecodeChain.takes(_Shape([1] * 9))
+    assert not DecodeChain.takes(_Shape([1, 4]))  # a prefill in the step
+    got = _generate(llm, prompts)
+    llm.engine.worker.runner._chain = None
+    assert _generate(llm, prompts) == got
+
+
+def test_models_with_q_k_norm_keep_the_modules(tiny_models, tmp_path) -> None:
+    llm = _engine(tiny_models, tmp_path, "qwen3", Q.Q8_0, "float32")
+    assert llm.engine.worker.runner._chain is None
+
+
+def test_dequantized_weights_keep_the_modules(tiny_models, tmp_path) -> None:
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_models["llama"], path, encoder(Q.Q4_1))
+    llm = LLM(str(path), kv_cache_tokens=2048, quantized_weights="off")
+    assert llm.engine.worker.runner._chain is None

@@ -83,3 +83,36 @@ class ModelSpec(SpecModel):
             ),
         ),
     )
+
+
+LORA_NAME = r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$"
+
+
+def lora_uri_ok(uri: str, model_uri: str) -> bool:
+    """An adapter's URI reaches running engines without a restart: an absolute path in the
+    pod, or ``pvc://CLAIM/path`` on the claim the model itself is mounted from."""
+    if uri.startswith("/"):
+        return True
+    if not (uri.startswith("pvc://") and model_uri.startswith("pvc://")):
+        return False
+    claim, _, path = uri[len("pvc://") :].partition("/")
+    return bool(claim and path.strip("/")) and model_uri[len("pvc://") :].split("/")[0] == claim
+
+
+class LoraSpec(SpecModel):
+    """One LoRA adapter of the model (PEFT's format), served as ``model`` = its name."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=128,
+        pattern=LORA_NAME,
+        description="The name clients send in 'model' to run through this adapter",
+    )
+    uri: str = Field(
+        ...,
+        min_length=1,
+        max_length=1024,
+        description="The adapter's PEFT directory: an absolute path in the engine pods (the "
+        "image, or a volume of podTemplate), or pvc://claim/path on the model's own claim",
+    )

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .autoscaling import SloSpec
 from .engine import EngineSpec
 from .gateway import GatewaySpec
-from .model import LoraSpec, ModelSpec, lora_uri_ok
+from .model import LoraSpec, ModelSpec, lora_on_model_claim
 from .proxy import ProxySpec
 from .roles import RoleSpec
 from .rules import Rule, SpecModel
@@ -50,6 +50,8 @@ class InferenceServiceSpec(SpecModel):
     loras: list[LoraSpec] = Field(
         default_factory=list,
         max_length=LORAS_MAX,
+        # the API server keeps names distinct, and server-side apply merges by name
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="LoRA adapters every engine serves (needs engine.enableLora); adding or "
         "removing one hot-loads or unloads it on the running engines, no pod restarts",
     )
@@ -95,17 +97,18 @@ class InferenceServiceSpec(SpecModel):
         ),
         Rule(
             "!has(self.loras) || self.loras.all(a, a.name != self.model.name"
-            " && a.name != 'default' && self.loras.exists_one(b, b.name == a.name))",
+            " && a.name != 'default')",
             "loras names must be distinct and differ from model.name and 'default'",
             lambda s: _lora_names_ok(s),
             field=".loras",
         ),
         Rule(
-            "!has(self.loras) || self.loras.all(a, a.uri.startsWith('/')"
-            " || (a.uri.matches('^pvc://[^/]+/.*[^/].*$') && self.model.uri.startsWith('pvc://')"
-            " && (self.model.uri + '/').startsWith(a.uri.substring(0, a.uri.indexOf('/', 6)) + '/')))",
-            "loras[].uri must be an absolute path or pvc://claim/path on the model's own claim",
-            lambda s: all(lora_uri_ok(a.uri, s.model.uri) for a in s.loras),
+            "!has(self.loras) || self.loras.all(a, !a.uri.startsWith('pvc://')"
+            " || (self.model.uri.startsWith('pvc://') && (self.model.uri + '/')"
+            ".startsWith(a.uri.substring(0, a.uri.indexOf('/', 6) + 1))))",
+            "loras[].uri pvc://claim/path must be on the model's own claim (another claim "
+            "would be a new volume, which restarts the engines)",
+            lambda s: all(lora_on_model_claim(a.uri, s.model.uri) for a in s.loras),
             field=".loras",
         ),
         Rule(

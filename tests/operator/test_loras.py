@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tandem.operator.kube import object_path
 from tandem.operator.render.manifests import render
 from tandem.operator.status.compute import as_patch, compute_status
 from tandem.operator.topology import plan
@@ -38,6 +39,9 @@ def test_the_adapters_are_a_configmap_mounted_as_a_directory() -> None:
         {"name": "sql", "path": "/models/pvc/adapters/sql"},
         {"name": "chat", "path": "/opt/adapters/chat"},
     ]
+    assert (
+        object_path(cm) == "/api/v1/namespaces/ml/configmaps/svc-loras"
+    )  # the operator applies it
     for role in ("prefill", "decode"):
         pod = objs[("Deployment", f"svc-{role}")]["spec"]["template"]["spec"]
         assert {"name": "loras", "configMap": {"name": "svc-loras"}} in pod["volumes"]

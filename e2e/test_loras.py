@@ -92,9 +92,19 @@ def _rendered_argv(cluster: Cluster, namespace: str, volume: Path) -> list[str]:
     return out
 
 
-def _patch_loras(cluster: Cluster, namespace: str, loras: dict[str, Path]) -> None:
+def _change_loras(cluster: Cluster, namespace: str, loras: dict[str, Path], volume: Path) -> None:
+    """Set ``spec.loras``; wait until the ConfigMap and ``status.loras`` list exactly them;
+    then sync the pod's volume from the ConfigMap, as the kubelet does."""
     body = {"spec": {"loras": _spec(loras)["loras"]}}
     cluster.kubectl("patch", "tisvc", NAME, "-n", namespace, "--type=merge", "-p", json.dumps(body))
+
+    def listed() -> bool:
+        in_map = json.loads(_configmap(cluster, namespace)[LORA_CONFIG_KEY])
+        in_status = _get(cluster, "tisvc", NAME, namespace)["status"]["loras"]
+        return [a["name"] for a in in_map] == [a["name"] for a in in_status] == list(loras)
+
+    wait_for(f"the ConfigMap and status to list {list(loras)}", listed, timeout=WAIT)
+    project_config_map(volume, _configmap(cluster, namespace))
 
 
 def _served(client: openai.OpenAI) -> set[str]:
@@ -121,40 +131,16 @@ def test_adding_and_removing_an_adapter_restarts_no_pod(
         assert _served(client) == set()
         prompt = [1, 5, 9, 14, 3, 27, 8]
 
-        # add an adapter: the ConfigMap changes, nothing else does
-        _patch_loras(cluster, namespace, {"sql": files["sql"]})
-        wait_for(
-            "the ConfigMap to list sql",
-            lambda: "sql" in _configmap(cluster, namespace)[LORA_CONFIG_KEY],
-            timeout=WAIT,
-        )
-        wait_for(
-            "status.loras to list sql",
-            lambda: (
-                [a["name"] for a in _get(cluster, "tisvc", NAME, namespace)["status"]["loras"]]
-                == ["sql"]
-            ),
-            timeout=WAIT,
-        )
+        # add an adapter: the ConfigMap changes, nothing else does; the engine serves it
+        _change_loras(cluster, namespace, {"sql": files["sql"]}, volume)
         assert _engine_state(cluster, namespace) == before
-        project_config_map(volume, _configmap(cluster, namespace))  # the kubelet's sync
         wait_for("the engine to serve sql", lambda: _served(client) == {"sql"}, timeout=WAIT)
-        card = client.models.retrieve("sql")
-        assert card.model_extra["parent"] == MODEL
+        assert client.models.retrieve("sql").model_extra["parent"] == MODEL
         want = peft_greedy(files["model"], {"sql": files["sql"]}, "sql", prompt, 6)
         assert greedy_token_ids(client, "sql", prompt, 6) == want
 
         # swap it for another: one loaded, one unloaded, still no restart
-        _patch_loras(cluster, namespace, {"chat": files["chat"]})
-        wait_for(
-            "the ConfigMap to list only chat",
-            lambda: (
-                [a["name"] for a in json.loads(_configmap(cluster, namespace)[LORA_CONFIG_KEY])]
-                == ["chat"]
-            ),
-            timeout=WAIT,
-        )
-        project_config_map(volume, _configmap(cluster, namespace))
+        _change_loras(cluster, namespace, {"chat": files["chat"]}, volume)
         wait_for(
             "the engine to serve chat alone", lambda: _served(client) == {"chat"}, timeout=WAIT
         )
@@ -165,16 +151,9 @@ def test_adding_and_removing_an_adapter_restarts_no_pod(
         assert greedy_token_ids(client, "chat", prompt, 6) == want
 
         # remove it: unloaded
-        _patch_loras(cluster, namespace, {})
-        wait_for(
-            "the ConfigMap to list none",
-            lambda: json.loads(_configmap(cluster, namespace)[LORA_CONFIG_KEY]) == [],
-            timeout=WAIT,
-        )
-        project_config_map(volume, _configmap(cluster, namespace))
+        _change_loras(cluster, namespace, {}, volume)
         wait_for("the engine to serve no adapter", lambda: _served(client) == set(), timeout=WAIT)
         assert _engine_state(cluster, namespace) == before
-        assert _get(cluster, "tisvc", NAME, namespace)["status"]["loras"] == []
     finally:
         code = engine.stop()
         assert code == 0, engine.log_tail()

@@ -19,18 +19,16 @@ from ..hf_reference import peft_greedy
 from ..proxy.utils import metric_value, openai_client
 from ..utils import (
     ADMIN_KEY,
-    API_KEY,
-    ENGINE_FLAGS,
     ServerProcess,
     greedy_token_ids,
     project_config_map,
     serving,
     wait_until,
 )
+from .utils import LORA_BASE, lora_engine
 
 pytestmark = pytest.mark.timeout(300)
-BASE = "tiny"
-PROMPT = "The scheduler decides, at every step, which requests run"
+BASE = LORA_BASE
 N = 8
 KEY = "loras.json"  # the ConfigMap's key, as the operator renders it
 
@@ -61,20 +59,9 @@ def volume(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_models, volume: Path, tmp_path_factory: pytest.TempPathFactory):
-    with serving(
-        ServerProcess(
-            str(tiny_models["llama"]),
-            *ENGINE_FLAGS,
-            "--lora-config",
-            str(volume / KEY),
-            "--max-loras",
-            "2",
-            api_key=API_KEY,
-            admin_key=ADMIN_KEY,
-            served_model_name=BASE,
-            log_path=tmp_path_factory.mktemp("lora-config-log") / "server.log",
-        )
-    ) as srv:
+    flags = ["--lora-config", str(volume / KEY), "--max-loras", "2"]
+    logs = tmp_path_factory.mktemp("lora-config-log")
+    with serving(lora_engine(tiny_models["llama"], logs, *flags)) as srv:
         yield srv
 
 
@@ -83,28 +70,21 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai_client(server.url, server.headers)
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_models) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_models["llama"])).encode(PROMPT)
-
-
 def test_an_adapter_added_to_the_file_serves_and_one_removed_is_unloaded(
-    server, client, volume, tiny_models, tiny_loras, prompt_ids
+    server, client, volume, tiny_models, tiny_loras, lora_prompt_ids
 ) -> None:
     loras = tiny_loras["llama"]
     project_config_map(volume, _config(sql=loras["qv-r4"]))
     wait_until(lambda: _served(client) == {"sql"}, timeout=60, what="sql served")
     card = client.models.retrieve("sql")
     assert card.model_extra["parent"] == BASE and card.model_extra["root"] == str(loras["qv-r4"])
-    want = peft_greedy(tiny_models["llama"], {"sql": loras["qv-r4"]}, "sql", prompt_ids, N)
-    assert greedy_token_ids(client, "sql", prompt_ids, N) == want
+    want = peft_greedy(tiny_models["llama"], {"sql": loras["qv-r4"]}, "sql", lora_prompt_ids, N)
+    assert greedy_token_ids(client, "sql", lora_prompt_ids, N) == want
 
     project_config_map(volume, _config(sql=loras["qv-r4"], chat=loras["all-r8"]))
     wait_until(lambda: _served(client) == {"sql", "chat"}, timeout=60, what="chat served")
-    want = peft_greedy(tiny_models["llama"], {"chat": loras["all-r8"]}, "chat", prompt_ids, N)
-    assert greedy_token_ids(client, "chat", prompt_ids, N) == want
+    want = peft_greedy(tiny_models["llama"], {"chat": loras["all-r8"]}, "chat", lora_prompt_ids, N)
+    assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
 
     project_config_map(volume, _config(chat=loras["all-r8"]))
     wait_until(lambda: _served(client) == {"chat"}, timeout=60, what="sql unloaded")
@@ -115,7 +95,7 @@ def test_an_adapter_added_to_the_file_serves_and_one_removed_is_unloaded(
 
 
 def test_a_changed_path_reloads_the_adapter_under_its_name(
-    server, client, volume, tiny_models, tiny_loras, prompt_ids
+    server, client, volume, tiny_models, tiny_loras, lora_prompt_ids
 ) -> None:
     loras = tiny_loras["llama"]
     project_config_map(volume, _config(chat=loras["ko-r2"]))
@@ -124,12 +104,12 @@ def test_a_changed_path_reloads_the_adapter_under_its_name(
         timeout=60,
         what="chat reloaded from its new path",
     )
-    want = peft_greedy(tiny_models["llama"], {"chat": loras["ko-r2"]}, "chat", prompt_ids, N)
-    assert greedy_token_ids(client, "chat", prompt_ids, N) == want
+    want = peft_greedy(tiny_models["llama"], {"chat": loras["ko-r2"]}, "chat", lora_prompt_ids, N)
+    assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
 
 
 def test_broken_adapters_and_files_are_reported_and_the_rest_keeps_serving(
-    server, client, volume, tiny_models, tiny_loras, prompt_ids, tmp_path
+    server, client, volume, tiny_models, tiny_loras, lora_prompt_ids, tmp_path
 ) -> None:
     loras = tiny_loras["llama"]
     good = loras["mlp-r16"]
@@ -144,16 +124,16 @@ def test_broken_adapters_and_files_are_reported_and_the_rest_keeps_serving(
     )
     assert _served(client) == {"good"}
     assert _errors_metric(server) == 2
-    want = peft_greedy(tiny_models["llama"], {"good": good}, "good", prompt_ids, N)
-    assert greedy_token_ids(client, "good", prompt_ids, N) == want
+    want = peft_greedy(tiny_models["llama"], {"good": good}, "good", lora_prompt_ids, N)
+    assert greedy_token_ids(client, "good", lora_prompt_ids, N) == want
 
     project_config_map(volume, {KEY: '[{"name": "good"}]'})  # no path: the file is refused
     wait_until(
         lambda: "" in _health(server)["lora_config"]["errors"], timeout=60, what="file refused"
     )
     assert _served(client) == {"good"}  # the last good file's adapters stay served
-    assert greedy_token_ids(client, BASE, prompt_ids, N) == peft_greedy(
-        tiny_models["llama"], {"good": good}, None, prompt_ids, N
+    assert greedy_token_ids(client, BASE, lora_prompt_ids, N) == peft_greedy(
+        tiny_models["llama"], {"good": good}, None, lora_prompt_ids, N
     )
 
     project_config_map(volume, _config(good=good))

@@ -106,20 +106,22 @@ class LoraConfigWatcher:
         retry = any(self.errors) and now >= self._retry_at
         if text == self._seen and not retry:
             return
-        self._seen, self._retry_at = text, now + self.retry_seconds
+        self._retry_at = now + self.retry_seconds
         try:
             desired = parse_lora_config(text)
         except LoraConfigError as exc:  # keep serving what the last good file listed
+            self._seen = text
             self._failed(FILE_ERROR, f"{self.path}: {exc}")
             return
         self.errors.pop(FILE_ERROR, None)
         await self._reconcile(desired)
+        self._seen = text  # only once reconciled: a round that raised is tried again
 
     async def _reconcile(self, desired: dict[str, str]) -> None:
         for name, path in list(self.managed.items()):
             if desired.get(name) != path:
-                del self.managed[name]
                 await unload_lora(self.state, name)
+                del self.managed[name]
         for name in [n for n in self.errors if n != FILE_ERROR and n not in desired]:
             del self.errors[name]
         for name, path in desired.items():

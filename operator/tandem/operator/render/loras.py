@@ -20,7 +20,7 @@ VOLUME = "loras"
 
 def lora_config_data(topology: Topology) -> str:
     """The file the engines read: ``[{"name", "path"}]`` (vLLM's ``--lora-modules`` JSON)."""
-    return json.dumps([{"name": n, "path": p} for n, p in topology.loras], indent=1)
+    return json.dumps([{"name": n, "path": p} for n, p in topology.loras])
 
 
 def lora_config_map(isvc: InferenceService, topology: Topology) -> Manifest:

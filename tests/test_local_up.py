@@ -47,6 +47,32 @@ def test_default_plan_is_one_prefill_one_decode_on_the_given_model(llama_dir) ->
     assert "--disagg-threshold" in roles["proxy"].args and "--discovery" not in roles["proxy"].args
 
 
+def test_up_takes_spec_loras_as_the_file_its_engines_watch(tmp_path: Path, llama_dir) -> None:
+    """``tandem up`` serves ``spec.loras`` as a cluster does: the engines' ``--lora-config``
+    is a file in the run's folder, the operator's ConfigMap data, which may be edited live."""
+    import json
+
+    f = _spec(
+        tmp_path,
+        mode="Aggregated",
+        model={"name": "m", "uri": str(llama_dir)},
+        engine={"enableLora": True},
+        loras=[{"name": "sql", "uri": "/adapters/sql"}],
+    )
+    topo = local.load_plan(up_args(file=f))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    listener = reserve_port("127.0.0.1")
+    children = local.build_children(topo, listener, logs, None, internal_key="k")
+    engine = children[1].argv
+    assert engine[engine.index("--lora-config") + 1] == str(logs / "loras.json")
+    assert json.loads((logs / "loras.json").read_text()) == [
+        {"name": "sql", "path": "/adapters/sql"}
+    ]
+    for c in children:
+        c.listener.close()
+
+
 def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
     f = _spec(
         tmp_path,

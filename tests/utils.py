@@ -254,6 +254,34 @@ def give_up_while_held(
         )
 
 
+def project_config_map(volume: Path, data: dict[str, str]) -> None:
+    """Write a ConfigMap's ``data`` into ``volume`` as the kubelet projects a configMap volume
+    (its AtomicWriter): the files in a new timestamped directory, a ``..data`` link swapped
+    to it atomically (a new link renamed over the old), each key a link through ``..data``,
+    then the keys no longer in ``data`` and the old directory removed. A reader of
+    ``volume/KEY`` sees the old file or the new one, never a partial one."""
+    volume.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("..%Y_%m_%d_%H_%M_%S.", time.gmtime()) + str(time.time_ns() % 10**9)
+    fresh = volume / stamp
+    fresh.mkdir()
+    for key, text in data.items():
+        (fresh / key).write_text(text)
+    data_link = volume / "..data"
+    old = os.readlink(data_link) if data_link.is_symlink() else None
+    (volume / "..data_tmp").symlink_to(stamp)
+    os.rename(volume / "..data_tmp", data_link)
+    for key in data:
+        if not (volume / key).is_symlink():
+            (volume / key).symlink_to(f"..data/{key}")
+    for link in volume.iterdir():
+        if link.is_symlink() and not link.name.startswith("..") and link.name not in data:
+            link.unlink()
+    if old is not None:
+        for file in (volume / old).iterdir():
+            file.unlink()
+        (volume / old).rmdir()
+
+
 @contextlib.contextmanager
 def serving(server: ServerProcess) -> Iterator[ServerProcess]:
     """A module fixture's body: ready on entry; stopped on exit, which must be a clean exit."""

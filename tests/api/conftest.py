@@ -8,6 +8,7 @@ import pytest
 
 from ..proxy.utils import FRONTS, engine_and_proxies, front_of
 from ..utils import ENGINE_FLAGS
+from .utils import LORA_PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +23,11 @@ def keyed_front(request, stack) -> tuple[str, str]:
     """``(url, key)`` of the engine, the aggregated proxy or the P/D proxy."""
     url, headers = front_of(stack, request.param)
     return url, headers.get("Authorization", "Bearer none").split()[-1]
+
+
+@pytest.fixture(scope="session")
+def lora_prompt_ids(tiny_models) -> list[int]:
+    """The LoRA tests' prompt (``LORA_PROMPT``) as the tiny Llama's tokenizer encodes it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_models["llama"])).encode(LORA_PROMPT)

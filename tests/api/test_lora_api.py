@@ -20,38 +20,25 @@ from ..proxy.utils import openai_client
 from ..utils import (
     ADMIN_KEY,
     API_KEY,
-    ENGINE_FLAGS,
     ServerProcess,
     greedy_token_ids,
     held,
     serving,
     wait_until,
 )
+from .utils import LORA_BASE, LORA_PROMPT, lora_engine
 
 pytestmark = pytest.mark.timeout(300)
-BASE = "tiny"
-PROMPT = "The scheduler decides, at every step, which requests run"
+BASE, PROMPT = LORA_BASE, LORA_PROMPT
 N = 8
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tiny_loras, tmp_path_factory: pytest.TempPathFactory):
     loras = tiny_loras["llama"]
-    with serving(
-        ServerProcess(
-            str(tiny_models["llama"]),
-            *ENGINE_FLAGS,
-            "--lora-modules",
-            f"qv-r4={loras['qv-r4']}",
-            f"all-r8={loras['all-r8']}",
-            "--max-loras",
-            "2",
-            api_key=API_KEY,
-            admin_key=ADMIN_KEY,
-            served_model_name=BASE,
-            log_path=tmp_path_factory.mktemp("lora-log") / "server.log",
-        )
-    ) as srv:
+    flags = ["--lora-modules", f"qv-r4={loras['qv-r4']}", f"all-r8={loras['all-r8']}"]
+    logs = tmp_path_factory.mktemp("lora-log")
+    with serving(lora_engine(tiny_models["llama"], logs, *flags, "--max-loras", "2")) as srv:
         yield srv
 
 
@@ -61,10 +48,8 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(tiny_models) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_models["llama"])).encode(PROMPT)
+def prompt_ids(lora_prompt_ids: list[int]) -> list[int]:
+    return lora_prompt_ids
 
 
 def _admin(server: ServerProcess, path: str, body: dict, key: str = ADMIN_KEY) -> httpx.Response:

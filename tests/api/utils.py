@@ -1,17 +1,18 @@
 """Helpers for the Responses and Messages API tests (no tests here): the tool both APIs are
 asked to call, the Chat Completions text they must equal, a client leaving mid-stream, and the Agents
-SDK's tool loop."""
+SDK's tool loop; and the LoRA tests' engine and prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 
-from ..utils import aborted_count, held, wait_until
+from ..utils import ADMIN_KEY, API_KEY, ENGINE_FLAGS, ServerProcess, aborted_count, held, wait_until
 
 WEATHER_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -103,3 +104,20 @@ def leaving_aborts(engine: Any, url: str, body: dict[str, Any], headers: dict[st
         with held(engine):
             r.close()
             wait_until(lambda: aborted_count(engine) > before, what="the engine aborting")
+
+
+LORA_BASE = "tiny"  # the base model's served name in the LoRA tests
+LORA_PROMPT = "The scheduler decides, at every step, which requests run"
+
+
+def lora_engine(model_dir: Path, log_dir: Path, *flags: str) -> ServerProcess:
+    """``tandem serve`` of a tiny model with LoRA ``flags``, the client and admin keys."""
+    return ServerProcess(
+        str(model_dir),
+        *ENGINE_FLAGS,
+        *flags,
+        api_key=API_KEY,
+        admin_key=ADMIN_KEY,
+        served_model_name=LORA_BASE,
+        log_path=log_dir / "server.log",
+    )

@@ -224,6 +224,7 @@ def test_engine_fields_are_engine_config_fields() -> None:
         else:
             assert spec_args <= want_args, name
     # Not exposed on purpose: the model comes from spec.model, the device is the pod's GPUs,
-    # tensor parallelism is each role's gpus, and the CPU-only KV byte cap is irrelevant.
-    hidden = {"model", "device", "tensor_parallel_size", "max_kv_cache_bytes"}
+    # tensor parallelism is each role's gpus, and the CPU-only KV byte cap is irrelevant; the
+    # LoRA config file is the operator's own ConfigMap of spec.loras (topology.lora_config).
+    hidden = {"model", "device", "tensor_parallel_size", "max_kv_cache_bytes", "lora_config"}
     assert config_fields - set(EngineSpec.model_fields) == hidden

@@ -100,7 +100,8 @@ app.kubernetes.io/component: operator
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get"]
+  # get: the planner's profile; create/patch: the engines' adapters (NAME-loras, spec.loras)
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -101,7 +101,9 @@ def type_schema(annotation: Any) -> dict[str, Any]:
     raise TypeError(f"no schema for {annotation!r}")
 
 
-def _constraints(info: FieldInfo) -> dict[str, Any]:
+def _constraints(info: FieldInfo, array: bool = False) -> dict[str, Any]:
+    """The field's bounds as OpenAPI keywords: a list's lengths are ``minItems``/``maxItems``
+    (which CEL's cost estimate needs), a string's ``minLength``/``maxLength`` and ``pattern``."""
     out: dict[str, Any] = {}
     for meta in info.metadata:
         if isinstance(meta, annotated_types.Ge):
@@ -111,9 +113,11 @@ def _constraints(info: FieldInfo) -> dict[str, Any]:
         elif isinstance(meta, annotated_types.Le):
             out["maximum"] = meta.le
         elif isinstance(meta, annotated_types.MinLen):
-            out["minLength"] = meta.min_length
+            out["minItems" if array else "minLength"] = meta.min_length
         elif isinstance(meta, annotated_types.MaxLen):
-            out["maxLength"] = meta.max_length
+            out["maxItems" if array else "maxLength"] = meta.max_length
+        elif getattr(meta, "pattern", None):
+            out["pattern"] = meta.pattern
     return out
 
 
@@ -139,7 +143,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
         key = info.alias or name
         kube = next((m for m in info.metadata if isinstance(m, KubeSchema)), None)
         schema = kube.schema() if kube else type_schema(info.annotation)
-        schema.update(_constraints(info))
+        schema.update(_constraints(info, array=schema.get("type") == "array"))
         default = _default(info)
         if default is not None:
             schema["default"] = default

@@ -27,6 +27,7 @@ PLURALS = {
     "ScaledObject": "scaledobjects",
     "Job": "jobs",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "ConfigMap": "configmaps",
     "Pod": "pods",
     "PodGroup": "podgroups",
     "Secret": "secrets",

@@ -22,6 +22,8 @@ PROXY_PORT = 8000
 PICKER_PORT = 9002  # the endpoint picker's gRPC port (GIE's default)
 MODEL_CACHE_MOUNT = "/models/cache"
 MODEL_PVC_MOUNT = "/models/pvc"
+LORA_CONFIG_MOUNT = "/etc/tandem/loras"  # the adapters' ConfigMap, a directory volume
+LORA_CONFIG_KEY = "loras.json"
 ENGINE_SELECTOR_LABEL = "tandem.dev/inferenceservice"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 
@@ -86,6 +88,11 @@ class Topology:
     """Hash of the settings that decide the KV cache's layout (see :func:`kv_layout`)."""
     router: Literal["proxy", "gateway"] = "proxy"
     """The front door: Tandem's proxy, or a GIE gateway asking the endpoint picker."""
+    lora_config: str | None = None
+    """The file every engine keeps its adapters served from (``--lora-config``), with
+    ``engine.enableLora``; None without."""
+    loras: tuple[tuple[str, str], ...] = ()
+    """``spec.loras`` as (name, path in the engine), what ``lora_config`` holds."""
 
     def role(self, role: RoleName) -> RolePlan | None:
         return next((r for r in self.roles if r.role == role), None)
@@ -111,6 +118,18 @@ def model_source(isvc: InferenceService) -> ModelSource:
         path = f"{MODEL_PVC_MOUNT}/{sub_path}" if sub_path else MODEL_PVC_MOUNT
         return ModelSource("pvc", path, claim_name=claim, sub_path=sub_path or None)
     return ModelSource("image", uri)
+
+
+def lora_paths(isvc: InferenceService) -> tuple[tuple[str, str], ...]:
+    """``spec.loras`` as (name, path in the engine): an absolute path as is, ``pvc://`` (on
+    the model's claim, the spec's rule) under the claim's mount."""
+    out = []
+    for lora in isvc.spec.loras:
+        path = lora.uri
+        if path.startswith("pvc://"):
+            path = f"{MODEL_PVC_MOUNT}/{path[len('pvc://') :].partition('/')[2].strip('/')}"
+        out.append((lora.name, path))
+    return tuple(out)
 
 
 def engine_flags(isvc: InferenceService) -> list[str]:
@@ -153,6 +172,13 @@ def kv_layout(isvc: InferenceService) -> str:
         **{f: getattr(spec.engine, f) for f in KV_LAYOUT_FIELDS},
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def lora_config_path(isvc: InferenceService) -> str | None:
+    """The file in every engine pod that lists ``spec.loras`` (the ConfigMap's key in its
+    volume), with ``engine.enableLora``: the flag and the mount never depend on the adapters
+    themselves, so changing them changes no pod template."""
+    return f"{LORA_CONFIG_MOUNT}/{LORA_CONFIG_KEY}" if isvc.spec.engine.enable_lora else None
 
 
 def engine_selector(name: str) -> str:
@@ -198,6 +224,8 @@ def plan(
         roles=roles,
         kv_layout=kv_layout(isvc),
         router=router,
+        lora_config=lora_config_path(isvc),
+        loras=lora_paths(isvc),
     )
 
 
@@ -220,6 +248,7 @@ def engine_role(
         "--shutdown-timeout",
         str(spec.engine.shutdown_timeout_seconds),
         *engine_flags(isvc),
+        *(["--lora-config", path] if (path := lora_config_path(isvc)) else []),
         *spec.engine.extra_args,
     ]
     return RolePlan(

@@ -356,15 +356,30 @@ def build_children(
         )
     ]
     gpus = _gpu_plan(engines)
+    lora_file = _lora_config(topology, log_dir)
     for r in engines:
         for i in range(r.replicas):
             env = {**env0, **r.env}
             if (devices := gpus.get((r.name, i))) is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
-            argv = [*exe, *r.args, "--host", HOST, "--proxy-url", proxy_url]
+            args = [lora_file if a == topology.lora_config else a for a in r.args]
+            argv = [*exe, *args, "--host", HOST, "--proxy-url", proxy_url]
             log = log_dir / f"{r.name}-{i}.log"
             children.append(Child(f"{r.name}-{i}", r.role, argv, env, log, reserve_port(HOST)))
     return children
+
+
+def _lora_config(topology: Any, log_dir: Path) -> str | None:
+    """``spec.loras`` as the file the engines watch (``--lora-config``), in the run's log
+    folder where a cluster mounts the operator's ConfigMap: the same JSON, and editing it
+    hot-loads or unloads adapters on the running engines as a ConfigMap change does."""
+    from tandem.operator.render.loras import lora_config_data
+
+    if topology.lora_config is None:
+        return None
+    path = log_dir / "loras.json"
+    path.write_text(lora_config_data(topology))
+    return str(path)
 
 
 def _gpu_plan(engines: list[Any]) -> dict[tuple[str, int], str]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..spec.inference_service import InferenceService
 from ..topology import RolePlan, Topology
+from .loras import lora_volume
 from .meta import (
     ADMISSION_GATE,
     KV_LAYOUT_LABEL,
@@ -94,6 +95,10 @@ def engine_pod_spec(
     volumes, mounts = model_volumes(isvc, topology)
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})  # NCCL between TP ranks
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if topology.lora_config:
+        volume, mount = lora_volume(topology)
+        volumes.append(volume)
+        mounts.append(mount)
     grace = isvc.spec.engine.shutdown_timeout_seconds + PRESTOP_SECONDS + GRACE_MARGIN_SECONDS
     pod_spec: dict[str, Any] = {
         "containers": [engine_container(isvc, topology, role, options, mounts)],

@@ -7,6 +7,7 @@ from ..spec.inference_service import InferenceService
 from ..topology import Topology, plan
 from .engines import engine_deployment, engine_service, pod_group
 from .gateway import gateway_objects
+from .loras import lora_config_map
 from .meta import Manifest, object_meta, pool_name
 from .model import model_objects
 from .options import RenderOptions
@@ -24,6 +25,8 @@ def render(
     topology = topology or plan(isvc)
     out = model_objects(isvc, topology, options)
     out.append(network_policy(isvc, topology))
+    if topology.lora_config:  # before the engines, which mount it
+        out.append(lora_config_map(isvc, topology))
     if options.gang_scheduling and topology.mode == "Disaggregated":
         out.append(pod_group(isvc, topology))
     for role in topology.roles:

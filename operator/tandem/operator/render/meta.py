@@ -125,5 +125,9 @@ def internal_secret_name(topology: Topology) -> str:
     return f"{child_base(topology.name)}-internal"
 
 
+def lora_config_map_name(topology: Topology) -> str:
+    return f"{child_base(topology.name)}-loras"
+
+
 def pod_group_name(topology: Topology) -> str:
     return f"{child_base(topology.name)}-engines"

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .autoscaling import SloSpec
 from .engine import EngineSpec
 from .gateway import GatewaySpec
-from .model import ModelSpec
+from .model import LoraSpec, ModelSpec, lora_on_model_claim
 from .proxy import ProxySpec
 from .roles import RoleSpec
 from .rules import Rule, SpecModel
@@ -24,6 +24,7 @@ SHORT_NAMES = ["tisvc"]
 CATEGORIES = ["tandem"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
+LORAS_MAX = 64  # bounds the CEL rules' cost over spec.loras
 NAME_MAX = 40  # children are named <name>-prefill, <name>-model-<hash>...: keep them DNS labels
 # What the API server accepts as any object's name (a DNS-1123 subdomain); children's names
 # are derived from it as DNS-1035 labels (render.meta.child_base).
@@ -45,6 +46,14 @@ class InferenceServiceSpec(SpecModel):
     )
     engine: EngineSpec = Field(
         default_factory=EngineSpec, description="Engine settings for every role"
+    )
+    loras: list[LoraSpec] = Field(
+        default_factory=list,
+        max_length=LORAS_MAX,
+        # the API server keeps names distinct, and server-side apply merges by name
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="LoRA adapters every engine serves (needs engine.enableLora); adding or "
+        "removing one hot-loads or unloads it on the running engines, no pod restarts",
     )
     prefill: RoleSpec | None = Field(
         None, description="Prefill pool (Disaggregated only; default 1 replica)"
@@ -78,6 +87,30 @@ class InferenceServiceSpec(SpecModel):
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "!has(self.loras) || size(self.loras) == 0 || (has(self.engine)"
+            " && has(self.engine.enableLora) && self.engine.enableLora)",
+            "loras need engine.enableLora (the engines start with LoRA on, then load and "
+            "unload adapters as spec.loras changes)",
+            lambda s: not s.loras or s.engine.enable_lora is True,
+            field=".loras",
+        ),
+        Rule(
+            "!has(self.loras) || self.loras.all(a, a.name != self.model.name"
+            " && a.name != 'default')",
+            "loras names must be distinct and differ from model.name and 'default'",
+            lambda s: _lora_names_ok(s),
+            field=".loras",
+        ),
+        Rule(
+            "!has(self.loras) || self.loras.all(a, !a.uri.startsWith('pvc://')"
+            " || (self.model.uri.startsWith('pvc://') && (self.model.uri + '/')"
+            ".startsWith(a.uri.substring(0, a.uri.indexOf('/', 6) + 1))))",
+            "loras[].uri pvc://claim/path must be on the model's own claim (another claim "
+            "would be a new volume, which restarts the engines)",
+            lambda s: all(lora_on_model_claim(a.uri, s.model.uri) for a in s.loras),
+            field=".loras",
+        ),
         Rule(
             "self.router != 'gateway' || (has(self.proxy) && has(self.proxy.apiKeySecret))",
             "router gateway needs proxy.apiKeySecret: behind a gateway the engines take "
@@ -114,6 +147,11 @@ class InferenceServiceSpec(SpecModel):
             lambda s: s.slo is not None or not _planned(s, both=False),
         ),
     )
+
+
+def _lora_names_ok(spec: InferenceServiceSpec) -> bool:
+    names = [a.name for a in spec.loras]
+    return len(set(names)) == len(names) and not {spec.model.name, "default"} & set(names)
 
 
 def _planned(spec: InferenceServiceSpec, both: bool) -> bool:

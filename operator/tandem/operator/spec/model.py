@@ -83,3 +83,50 @@ class ModelSpec(SpecModel):
             ),
         ),
     )
+
+
+LORA_NAME = r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$"
+
+
+def _pvc_path(uri: str) -> tuple[str, str] | None:
+    """``pvc://CLAIM/PATH`` as (claim, path), None when either is empty."""
+    claim, _, path = uri.removeprefix("pvc://").partition("/")
+    ok = uri.startswith("pvc://") and claim and path.strip("/")
+    return (claim, path) if ok else None
+
+
+def lora_on_model_claim(uri: str, model_uri: str) -> bool:
+    """A ``pvc://`` adapter is on the claim the model is mounted from (so the engines see
+    it without a new volume, which would roll them); other URIs pass."""
+    parts = _pvc_path(uri)
+    if parts is None:
+        return True
+    return model_uri.startswith("pvc://") and model_uri[6:].split("/")[0] == parts[0]
+
+
+class LoraSpec(SpecModel):
+    """One LoRA adapter of the model (PEFT's format), served as ``model`` = its name."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=128,
+        pattern=LORA_NAME,
+        description="The name clients send in 'model' to run through this adapter",
+    )
+    uri: str = Field(
+        ...,
+        min_length=1,
+        max_length=1024,
+        description="The adapter's PEFT directory: an absolute path in the engine pods (the "
+        "image, or a volume of podTemplate), or pvc://claim/path on the model's own claim",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "self.uri.startsWith('/') || self.uri.matches('^pvc://[^/]+/.*[^/].*$')",
+            "loras[].uri must be an absolute path or pvc://claim/path",
+            lambda a: a.uri.startswith("/") or _pvc_path(a.uri) is not None,
+            field=".uri",
+        ),
+    )

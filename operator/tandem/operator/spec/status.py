@@ -26,6 +26,14 @@ class RoleStatus(SpecModel):
     replicas: str = Field("0/0", description="ready/desired, for printing")
 
 
+class LoraStatus(SpecModel):
+    """One adapter of ``spec.loras`` as the engines are given it."""
+
+    name: str
+    uri: str
+    path: str = Field(description="Where the engines read it (in their --lora-config file)")
+
+
 class InferenceServiceStatus(SpecModel):
     """``status``: recomputed from the children; never carries the operator's bookkeeping."""
 
@@ -41,4 +49,9 @@ class InferenceServiceStatus(SpecModel):
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     proxy: RoleStatus | None = None
+    loras: list[LoraStatus] = Field(
+        default_factory=list,
+        description="spec.loras as written into the engines' adapters ConfigMap (NAME-loras), "
+        "which every running engine loads within a kubelet sync and a 2 s poll",
+    )
     conditions: list[Condition] = Field(default_factory=list)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..render.meta import ROLE_LABEL, service_url
 from ..spec.inference_service import InferenceService
-from ..spec.status import Condition, InferenceServiceStatus, RoleStatus
+from ..spec.status import Condition, InferenceServiceStatus, LoraStatus, RoleStatus
 from ..topology import Topology
 from .children import Children, Facts
 from .conditions import (
@@ -77,6 +77,10 @@ def compute_status(
         decode_selector=f"{topology.engine_selector},{ROLE_LABEL}={decode_role.role}"
         if decode_role
         else None,
+        loras=[
+            LoraStatus(name=lora.name, uri=lora.uri, path=path)
+            for lora, (_, path) in zip(isvc.spec.loras, topology.loras, strict=True)
+        ],
         conditions=_stamp(conditions, previous, now, observed_generation),
         **roles,
     )

@@ -33,6 +33,7 @@ from . import (
 )
 from .chat_history import ChatHistories
 from .engine_loop import AsyncEngine
+from .lora_config import watch_lora_config
 from .metrics import ServerMetrics
 from .state import ServerSettings, ServerState
 
@@ -93,10 +94,12 @@ def build_app(
         announce = (
             asyncio.ensure_future(registration.announce(engine, settings)) if registration else None
         )
+        lora_config = asyncio.ensure_future(watch_lora_config(state))
         try:
             yield
         finally:
             state.draining = True
+            lora_config.cancel()
             if announce is not None:
                 announce.cancel()
                 await registration.withdraw(settings)

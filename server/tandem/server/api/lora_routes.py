@@ -1,17 +1,14 @@
 """vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (admin routes):
 serve a PEFT adapter under a name, or stop serving it, without a restart.
 
-The adapter is read and checked off the engine thread (a malformed one, a rank over
-``max_lora_rank`` or shapes that do not fit the base are a 400 naming what, and nothing
-changes), then added between two steps; from then on ``model`` = its name selects it on
+Both go through ``lora_admin`` (as the ``--lora-config`` watcher does): a malformed
+adapter, a rank over ``max_lora_rank`` or shapes that do not fit the base are a 400 naming
+what, and nothing changes; from then on ``model`` = its name selects it on
 every generating route and ``/v1/models`` lists it with ``parent`` = the base. Unloading lets
 the requests already running through it finish. The answers are vLLM's plain-text ones.
 """
 
 from __future__ import annotations
-
-import asyncio
-import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -26,10 +23,10 @@ from tandem.server.wire.protocol import (
 )
 
 from .generation import api_error
+from .lora_admin import LoraNameTaken, load_lora, unload_lora
 from .state import get_state
 
 router = APIRouter(route_class=ParsedJSONRoute)
-log = logging.getLogger("tandem.api")
 # vLLM answers a load or unload with plain text; errors are the API's JSON
 _TEXT = {
     200: {
@@ -42,23 +39,15 @@ _TEXT = {
 @router.post("/v1/load_lora_adapter", responses=ERROR_RESPONSES | _TEXT)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
     state = get_state(request)
-    name, path = body.lora_name, body.lora_path
-    if name in (state.model_name, "default") or name in state.engine.served_loras:
-        raise APIError(
-            400,
-            f"The lora adapter '{name}' has already been loaded.",
-            param="lora_name",
-            code="invalid_value",
-        )
+    name = body.lora_name
     try:
-        read = await state.engine.call(lambda e: e.read_lora)
-        adapter = await asyncio.to_thread(read, name, path)
-        await state.engine.call(lambda e: e.add_lora(adapter))
+        await load_lora(state, name, body.lora_path)
+    except LoraNameTaken as exc:
+        raise APIError(400, str(exc), param="lora_name", code="invalid_value") from exc
     except LoraLoadError as exc:
         raise APIError(400, str(exc), param="lora_path", code="invalid_lora_adapter") from exc
     except Exception as exc:  # noqa: BLE001 - the engine's state (503) or a bug (500)
         raise api_error(exc) from exc
-    log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -69,7 +58,7 @@ async def unload_lora_adapter(
     state = get_state(request)
     name = body.lora_name
     try:
-        removed = await state.engine.call(lambda e: e.remove_lora(name))
+        removed = await unload_lora(state, name)
     except Exception as exc:  # noqa: BLE001
         raise api_error(exc) from exc
     if not removed:
@@ -79,5 +68,4 @@ async def unload_lora_adapter(
             param="lora_name",
             code="model_not_found",
         )
-    log.info("LoRA adapter %s unloaded", name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

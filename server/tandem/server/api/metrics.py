@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -236,6 +236,11 @@ class ServerMetrics:
             "tandem:request_errors",
             "Requests refused, by HTTP status",
             ["model_name", "status"],
+            registry=r,
+        )
+        self.lora_config_errors = Gauge(
+            "tandem:lora_config_errors",
+            "Entries of the --lora-config file not served (the file itself, or an adapter)",
             registry=r,
         )
         r.register(_SnapshotCollector(model, engine))

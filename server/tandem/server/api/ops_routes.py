@@ -122,6 +122,8 @@ def health_body(state: ServerState, principal: str | None = "open") -> tuple[int
         "details": state.engine.info.get("details"),  # what the weights are (Ollama's tags)
         "lora_adapters": list(state.engine.served_loras),
     }
+    if state.lora_config is not None:  # --lora-config: what the file brought, what failed
+        body["lora_config"] = state.lora_config.health()
     gpus = gpu_list()
     if gpus:
         used = sum(int((g["total_memory_gb"] - g["free_memory_gb"]) * 2**30) for g in gpus)

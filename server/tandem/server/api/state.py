@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -20,6 +20,9 @@ from tandem.server.wire.errors import APIError
 from .chat_history import ChatHistories
 from .engine_loop import READY, AsyncEngine
 from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from .lora_config import LoraConfigWatcher
 
 ROLES = ("both", "prefill", "decode")
 
@@ -88,6 +91,8 @@ class ServerState:
     longest_token_chars: int = 0
     # Set by the process runner (serve_cli) so /terminate can stop the server.
     shutdown: Callable[[], None] | None = None
+    # The --lora-config file's watcher, once the engine is ready (lora_config.py).
+    lora_config: LoraConfigWatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.longest_token_chars:

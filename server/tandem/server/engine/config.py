@@ -61,8 +61,11 @@ class EngineConfig:
     # Multi-LoRA (docs/lora.md): adapters served from the start ("name=path", PEFT
     # directories), how many may be resident (and used by the running requests) at once, and
     # the highest rank accepted. With enable_lora and no modules, adapters come by HTTP.
+    # lora_config: a JSON file of adapters the server keeps served as the file changes
+    # (api/lora_config.py; the operator's spec.loras, projected from a ConfigMap).
     enable_lora: bool = False
     lora_modules: tuple[str, ...] | None = None
+    lora_config: str | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
     # Speculative decoding (docs/speculative.md): "ngram" proposes up to
@@ -151,8 +154,8 @@ class EngineConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        """Adapters may be served: asked for, or named at the start."""
-        return self.enable_lora or bool(self.lora_modules)
+        """Adapters may be served: asked for, named at the start, or in a config file."""
+        return self.enable_lora or bool(self.lora_modules) or self.lora_config is not None
 
     @property
     def lora_paths(self) -> dict[str, str]:

@@ -42,6 +42,8 @@ HELP = {
     "pooling": "embeddings: the last token's hidden state, the mean, or the first (cls)",
     "enable_lora": "serve LoRA adapters (loaded by --lora-modules or POST /v1/load_lora_adapter)",
     "lora_modules": "LoRA adapters to serve, as name=path (PEFT's format; docs/lora.md)",
+    "lora_config": "a JSON file of LoRA adapters ([{name, path}]) kept served as it changes "
+    "(implies --enable-lora; docs/lora.md)",
     "max_loras": "LoRA adapters resident at once (least recently used evicted)",
     "max_lora_rank": "the highest LoRA rank accepted",
     "speculative_method": "speculative decoding: ngram (prompt lookup) proposes tokens "

@@ -6,18 +6,20 @@ graphs and other backends change that module and below, never the scheduler.
 
 With ``tensor_parallel_size > 1`` the worker starts the other ranks (``parallel.launch``),
 sends each step's flattened inputs to them and runs its own runner on the same inputs; the
-engine sees one device either way.
+engine sees one device either way. On one CPU rank the thread count of each step is the
+``ThreadTuner``'s (``threads.py``): measured, since other processes may share the cores.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
 
 from .config import EngineConfig
 from .lora.adapter import LoraAdapter
-from .model_runner import ModelRunner, prepare_inputs
+from .model_runner import ModelRunner, StepInputs, prepare_inputs
 from .models.config import ModelConfig
 from .parallel import SINGLE, rank_device
 from .parallel.launch import RankGroup
@@ -25,6 +27,7 @@ from .prompt_logprobs import fold_prompt_logprobs, prompt_spans, span_rows
 from .request import Request
 from .sampler import draw_uniform
 from .scheduler import ScheduledBatch
+from .threads import ThreadTuner
 
 
 class Worker:
@@ -46,6 +49,11 @@ class Worker:
                 self._ranks.abort()
                 self._ranks = None
             raise
+        self._threads = (
+            ThreadTuner(torch.get_num_threads())
+            if base_device.type == "cpu" and self._ranks is None and torch.get_num_threads() > 1
+            else None
+        )
 
     def execute(
         self, batch: ScheduledBatch, lora_slots: list[int] | None = None
@@ -60,11 +68,25 @@ class Worker:
             inputs = replace(inputs, logits_rows=inputs.logits_rows + span_rows(spans))
         if self._ranks is not None:
             self._ranks.send(("step", inputs))
-        logits, hidden = self.runner.run_pooled(inputs)
+        logits, hidden = self._run(inputs)
         if spans:
             fold_prompt_logprobs(spans, logits[sampled:])
             logits = logits[:sampled]
         return logits, hidden, sampling
+
+    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass, on the thread count the tuner picks for a step of its kind."""
+        tuner = self._threads
+        if tuner is None:
+            return self.runner.run_pooled(inputs)
+        kind = tuner.kind_of(inputs.is_decode, len(inputs.input_ids))
+        threads = tuner.choose(kind)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        out = self.runner.run_pooled(inputs)
+        tuner.record(kind, threads, time.perf_counter() - start)
+        return out
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Make ``adapter`` resident in ``slot`` (LoRA is single-rank: ``EngineConfig`` checks)."""

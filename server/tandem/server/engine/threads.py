@@ -1,0 +1,72 @@
+"""How many threads a CPU step runs on, decided by measuring steps, not by counting cores.
+
+On cores of its own, a step is fastest on all of them. On cores another process shares (the
+serving pod's event loop, tokenizer and sidecars; a co-tenant), every parallel region waits
+at its join for the thread the scheduler took away, a timeslice each time: a step of a few
+hundred regions runs many times slower than on one thread. Which case holds changes while
+the engine runs, so the tuner times the steps it runs at each thread count and keeps, per
+kind of step (prefill or decode, and its size in tokens to a power of two), the count whose
+recent steps were fastest. It tries the others now and then (every ``explore`` steps of that
+kind, twice as seldom each time the choice is confirmed), so it follows the machine.
+Every C kernel splits its work so its results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.3  # weight of the newest step in each count's moving average
+FIRST_EXPLORE = 16  # steps of a kind between tries of another count, at first
+MOST_EXPLORE = 1024
+
+
+def thread_counts(most: int) -> tuple[int, ...]:
+    """The counts tried: all threads, half, one (distinct, most first)."""
+    return tuple(dict.fromkeys((most, max(1, most // 2), 1)))
+
+
+@dataclass
+class _Kind:
+    """One kind of step: each count's moving average of seconds per step."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    steps: int = 0
+    every: int = FIRST_EXPLORE
+    chosen: int = 0
+
+
+class ThreadTuner:
+    def __init__(self, most: int) -> None:
+        self.counts = thread_counts(most)
+        self._kinds: dict[tuple[bool, int], _Kind] = {}
+
+    @staticmethod
+    def kind_of(is_decode: bool, num_tokens: int) -> tuple[bool, int]:
+        return is_decode, num_tokens.bit_length()
+
+    def choose(self, kind: tuple[bool, int]) -> int:
+        """The thread count for the next step of ``kind``."""
+        k = self._kinds.setdefault(kind, _Kind())
+        k.steps += 1
+        untried = [c for c in self.counts if c not in k.seconds]
+        if untried:
+            return untried[0]
+        best = min(k.seconds, key=k.seconds.__getitem__)
+        if k.steps % k.every == 0:  # try the count measured longest ago: the one not best
+            others = [c for c in self.counts if c != best]
+            return others[(k.steps // k.every) % len(others)]
+        return best
+
+    def record(self, kind: tuple[bool, int], threads: int, seconds: float) -> None:
+        """A step of ``kind`` took ``seconds`` on ``threads``: the chosen count's average moves
+        toward it; a tried count's figure is replaced (its old one may be from another load)."""
+        k = self._kinds[kind]
+        old = k.seconds.get(threads)
+        fresh = old is None or threads != k.chosen
+        k.seconds[threads] = seconds if fresh else old + ALPHA * (seconds - old)
+        best = min(k.seconds, key=k.seconds.__getitem__)
+        if best == k.chosen:
+            if threads != best:  # a try of another count confirmed the choice
+                k.every = min(2 * k.every, MOST_EXPLORE)
+        else:
+            k.chosen, k.every = best, FIRST_EXPLORE

@@ -1,0 +1,59 @@
+"""The thread tuner: it keeps the count whose steps were fastest and follows a change of load.
+
+Steps are fed made-up durations (no clock): what is tested is the choice, not a timing.
+"""
+
+from __future__ import annotations
+
+from tandem.server.engine.threads import FIRST_EXPLORE, ThreadTuner, thread_counts
+
+DECODE = ThreadTuner.kind_of(True, 1)
+
+
+def _steps(tuner: ThreadTuner, seconds: dict[int, float], n: int) -> list[int]:
+    chosen = []
+    for _ in range(n):
+        threads = tuner.choose(DECODE)
+        tuner.record(DECODE, threads, seconds[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def test_counts_tried_are_all_half_and_one() -> None:
+    assert thread_counts(8) == (8, 4, 1)
+    assert thread_counts(2) == (2, 1)
+    assert thread_counts(1) == (1,)
+
+
+def test_keeps_the_fastest_count_and_tries_the_other_seldom() -> None:
+    tuner = ThreadTuner(2)
+    chosen = _steps(tuner, {2: 0.010, 1: 0.018}, 400)
+    assert chosen[:2] == [2, 1]  # each count measured once first
+    assert chosen.count(1) <= 1 + 400 // FIRST_EXPLORE
+    assert chosen[-100:].count(2) >= 95
+
+
+def test_follows_a_co_tenant_arriving_and_leaving() -> None:
+    """Quiet: two threads win; with the cores shared one thread does; quiet again: two."""
+    tuner = ThreadTuner(2)
+    _steps(tuner, {2: 0.010, 1: 0.018}, 200)
+    loaded = _steps(tuner, {2: 0.080, 1: 0.020}, 200)
+    assert loaded[-100:].count(1) >= 95
+    quiet = _steps(tuner, {2: 0.010, 1: 0.018}, 400)
+    assert quiet[-100:].count(2) >= 95
+
+
+def test_kinds_of_step_are_tuned_apart() -> None:
+    """A long prefill may want every thread while a one-row decode wants one."""
+    tuner = ThreadTuner(2)
+    prefill = ThreadTuner.kind_of(False, 512)
+    chosen: dict[tuple[bool, int], list[int]] = {DECODE: [], prefill: []}
+    for _ in range(200):
+        for kind, best in ((DECODE, 1), (prefill, 2)):
+            threads = tuner.choose(kind)
+            tuner.record(kind, threads, 0.01 if threads == best else 0.05)
+            chosen[kind].append(threads)
+    assert chosen[DECODE][-100:].count(1) >= 95
+    assert chosen[prefill][-100:].count(2) >= 95
+    assert ThreadTuner.kind_of(False, 512) != ThreadTuner.kind_of(False, 100)
+    assert ThreadTuner.kind_of(False, 512) == ThreadTuner.kind_of(False, 1000)

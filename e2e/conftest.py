@@ -118,7 +118,7 @@ def operator(
 
 @pytest.fixture(scope="session")
 def third_party_crds(cluster: Cluster) -> Iterator[None]:
-    """KEDA's, the Prometheus Operator's and GIE's InferencePool CRDs, installed once (before
+    """KEDA's, the Prometheus Operator's, GIE's InferencePool and LWS's LeaderWorkerSet CRDs, installed once (before
     any chart install); tests that need them use this fixture."""
     directory = crd_dir()
     missing = missing_crds(directory)
@@ -135,6 +135,7 @@ def third_party_crds(cluster: Cluster) -> Iterator[None]:
         "crd/scaledobjects.keda.sh",
         "crd/podmonitors.monitoring.coreos.com",
         "crd/inferencepools.inference.networking.k8s.io",
+        "crd/leaderworkersets.leaderworkerset.x-k8s.io",
         "--timeout=60s",
     )
     yield

@@ -51,7 +51,11 @@ app.kubernetes.io/component: operator
   verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  # delete: a pool whose nodesPerReplica goes above 1 becomes a LeaderWorkerSet
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
   # patch: only to remove the gang-admission schedulingGate (admission.py)

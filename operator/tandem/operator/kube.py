@@ -29,6 +29,7 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "PodGroup": "podgroups",
+    "LeaderWorkerSet": "leaderworkersets",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
     "InferencePool": "inferencepools",

@@ -13,6 +13,7 @@ the readiness probes only ever see the leader.
 from __future__ import annotations
 
 import logging
+import signal
 
 from ..config import EngineConfig
 from ..loader import read_model_config
@@ -45,6 +46,10 @@ def run_member(config: EngineConfig) -> None:
     except BaseException:
         ranks.abort()
         raise
+    # A group is stopped as a whole (all its pods get SIGTERM at once): the leader drains its
+    # requests in flight, which needs this node's ranks, then sends "stop". So SIGTERM is
+    # ignored here; a leader that is gone without a word fails the next collective instead.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log.info("node %d: ready; following the leader's steps", config.node_rank)
     try:
         follow_steps(runner, ranks.tp)

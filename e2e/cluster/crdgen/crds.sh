@@ -14,5 +14,10 @@ nice -n "${TANDEM_E2E_NICE:-10}" go tool controller-gen \
   paths=github.com/kedacore/keda/v2/apis/keda/v1alpha1 \
   paths=github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1 \
   paths=sigs.k8s.io/gateway-api-inference-extension/api/v1 \
+  output:crd:dir="$out"
+# LWS with generateEmbeddedObjectMeta, as its own Makefile generates it: without it the API
+# server prunes the labels and annotations of its pod templates (metadata: {type: object}).
+nice -n "${TANDEM_E2E_NICE:-10}" go tool controller-gen \
+  crd:allowDangerousTypes=true,maxDescLen=0,generateEmbeddedObjectMeta=true \
   paths=sigs.k8s.io/lws/api/leaderworkerset/v1 \
   output:crd:dir="$out"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import Cluster, wait_for
-from e2e.utils import Operator, _apply, _condition, _get, _isvc, _wait_ready
+from e2e.utils import Operator, _apply, _condition, _get, _isvc, _wait_condition, _wait_ready
 
 pytestmark = pytest.mark.usefixtures("third_party_crds")
 
@@ -28,24 +28,6 @@ GROUP = {"replicas": 1, "gpus": 1, "nodesPerReplica": 2}
 
 def _lws(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     return cluster.kubectl_json("get", "leaderworkersets", "-n", namespace)["items"]
-
-
-def _wait_for_condition(
-    cluster: Cluster, op: Operator, namespace: str, name: str, type_: str, want: tuple[str, str]
-) -> dict[str, Any]:
-    seen: list[dict[str, Any]] = []
-
-    def has() -> bool:
-        seen.append(_get(cluster, "tisvc", name, namespace))
-        c = _condition(seen[-1], type_)
-        return (c.get("status"), c.get("reason")) == want
-
-    try:
-        wait_for(f"{name} {type_} {want}", has, timeout=60, interval=1)
-    except TimeoutError:
-        print(json.dumps(seen[-1].get("status"), indent=1), op.tail())
-        raise
-    return seen[-1]
 
 
 def _group_pod(lws: dict[str, Any], template: str, index: int) -> dict[str, Any]:
@@ -151,17 +133,13 @@ def test_a_multi_node_pool_is_a_leader_worker_set_whose_groups_status_follows(
     )
 
     # LWS's controller has not reported: the pool is still rolling out, nothing serves
-    isvc = _wait_for_condition(
-        cluster, operator, namespace, name, "DecodeReady", ("False", "RollingUpdate")
-    )
+    isvc = _wait_condition(cluster, operator, namespace, name, "DecodeReady", "RollingUpdate")
     assert _condition(isvc, "Ready")["status"] == "False"
 
     # the group's worker runs first: a ready worker is no serving path
     cluster.kubectl("apply", "-f", "-", input=json.dumps(_group_pod(lws, "workerTemplate", 1)))
     _set_status(cluster, lws, ready=0)
-    isvc = _wait_for_condition(
-        cluster, operator, namespace, name, "DecodeReady", ("False", "PodsNotReady")
-    )
+    isvc = _wait_condition(cluster, operator, namespace, name, "DecodeReady", "PodsNotReady")
     assert _condition(isvc, "Ready")["status"] == "False"
     assert isvc["status"]["decode"]["replicas"] == "0/1"
 

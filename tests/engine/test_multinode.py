@@ -8,6 +8,7 @@ The worker serves no HTTP and exits 0 when the leader stops.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +30,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model(tmp_path_factory.mktemp("multinode"))
 
 
-@pytest.fixture(scope="module")
-def group(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(leader, worker): one engine whose two ranks are two processes."""
-    logs = tmp_path_factory.mktemp("multinode-logs")
+@contextlib.contextmanager
+def leader_and_worker(model: str, logs: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """(leader, worker): one engine whose two ranks are two ``tandem serve`` processes,
+    the leader serving; both stopped afterwards, passed or failed."""
     flags = [*ENGINE_FLAGS, "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2"]
     flags += ["--leader-addr", f"127.0.0.1:{free_port()}", "--log-level", "info"]
     leader = ServerProcess(model, *flags, "--node-rank", "0", log_path=logs / "leader.log")
@@ -43,6 +44,12 @@ def group(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     finally:
         leader.stop()
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def group(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    with leader_and_worker(model, tmp_path_factory.mktemp("multinode-logs")) as pair:
+        yield pair
 
 
 def greedy_ids(server: ServerProcess, prompt: list[int]) -> list[int]:
@@ -76,20 +83,12 @@ def test_leader_and_worker_give_one_process_greedy_tokens(
 
 
 def test_the_worker_serves_nothing_and_exits_when_the_leader_stops(model: str, tmp_path) -> None:
-    flags = [*ENGINE_FLAGS, "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2"]
-    flags += ["--leader-addr", f"127.0.0.1:{free_port()}", "--log-level", "info"]
-    leader = ServerProcess(model, *flags, "--node-rank", "0", log_path=tmp_path / "leader.log")
-    worker = ServerProcess(model, *flags, "--node-rank", "1", log_path=tmp_path / "worker.log")
-    try:
-        leader.wait_ready(timeout=300)
+    with leader_and_worker(model, tmp_path) as (leader, worker):
         assert greedy_ids(leader, PROMPTS[0])
         assert leader.stop() == 0
         wait_until(lambda: worker.proc.poll() is not None, 60, "the worker to exit")
         assert worker.proc.returncode == 0, worker.log_tail()
         assert "the leader said stop" in worker.log_tail()
-    finally:
-        leader.stop()
-        worker.stop()
 
 
 @pytest.mark.parametrize(

@@ -115,3 +115,17 @@ def test_a_worker_with_a_bad_group_exits_1_with_one_line(model: str, tmp_path: P
     assert worker.proc.wait(120) == 1
     assert "nnodes > 1 needs leader_addr as HOST:PORT" in worker.log_tail()
     assert "Traceback" not in worker.log_tail()
+
+
+def test_a_worker_that_dies_fails_the_leader_instead_of_hanging_it(
+    model: str, tmp_path: Path
+) -> None:
+    """A group cannot take back a lost rank: the leader's next step fails, the engine exits
+    non-zero (in a cluster LWS then recreates the whole group) rather than waiting forever."""
+    with leader_and_worker(model, tmp_path) as (leader, worker):
+        worker.proc.kill()
+        worker.proc.wait(30)
+        with pytest.raises(openai.APIError):
+            greedy_ids(leader, PROMPTS[0])
+        wait_until(lambda: leader.proc.poll() is not None, 120, "the leader to exit")
+        assert leader.proc.returncode != 0

@@ -32,7 +32,7 @@ import torch
 from tandem.server.net import free_port
 
 from ..model_runner import ModelRunner
-from . import TensorParallel, rank_device
+from . import RankGroupLost, TensorParallel, rank_device
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -150,9 +150,12 @@ class RankGroup:
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead:
             self._broken = True
-            raise RuntimeError(f"tensor-parallel ranks exited: {', '.join(dead)}")
+            raise RankGroupLost(f"tensor-parallel ranks exited: {', '.join(dead)}")
         try:
             broadcast(msg, self.tp)
+        except Exception as exc:  # a rank of another node exited: its connection closed
+            self._broken = True
+            raise RankGroupLost(f"a tensor-parallel rank is unreachable: {exc}") from exc
         except BaseException:
             self._broken = True
             raise

@@ -163,41 +163,34 @@ def test_a_multi_node_pool_is_a_leader_worker_set_whose_groups_status_follows(
     )
 
 
-def test_nodes_per_replica_moves_a_pool_between_a_deployment_and_a_leader_worker_set(
+def test_the_api_server_refuses_a_pool_that_would_change_kind_or_cannot_form_a_group(
     cluster: Cluster, operator: Operator, namespace: str
 ) -> None:
-    name = "grow"
-    _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode={"replicas": 1, "gpus": 1}))
-    _wait_ready(cluster, operator, namespace, name)
-    _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode=GROUP))
+    """A Deployment pool cannot become a LeaderWorkerSet (the operator deletes no Deployment)
+    nor the reverse; a group's size can change; a tensorParallelSize the group's GPUs cannot
+    run is refused."""
+    one, two, four = ({"replicas": 1, "gpus": 1, "nodesPerReplica": n} for n in (1, 2, 4))
+    _apply(cluster, _isvc("small", namespace, mode="Aggregated", decode=one))
+    _apply(cluster, _isvc("big", namespace, mode="Aggregated", decode=two))
+    for name, to in (("small", two), ("big", one)):
+        result = _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode=to), False)
+        assert result.returncode != 0
+        assert "nodesPerReplica cannot change between 1 and more than 1" in result.stderr
+    _apply(cluster, _isvc("big", namespace, mode="Aggregated", decode=four))
     wait_for(
-        "the Deployment to give way to a LeaderWorkerSet",
+        "the group to grow to 4 pods",
         lambda: (
-            bool(_lws(cluster, namespace))
-            and cluster.kubectl(
-                "get", "deployment", f"{name}-engine", "-n", namespace, check=False
-            ).returncode
-            != 0
+            _get(cluster, "leaderworkerset", "big-engine", namespace)["spec"][
+                "leaderWorkerTemplate"
+            ]["size"]
+            == 4
         ),
         timeout=60,
         interval=1,
     )
-    _apply(cluster, _isvc(name, namespace, mode="Aggregated", decode={"replicas": 1, "gpus": 1}))
-    wait_for(
-        "the LeaderWorkerSet to give way to a Deployment",
-        lambda: (
-            not _lws(cluster, namespace)
-            and cluster.kubectl(
-                "get", "deployment", f"{name}-engine", "-n", namespace, check=False
-            ).returncode
-            == 0
-        ),
-        timeout=60,
-        interval=1,
-    )
-    _wait_ready(cluster, operator, namespace, name)
+    _wait_ready(cluster, operator, namespace, "small")  # the Deployment pool, untouched
+    assert cluster.kubectl("get", "deployment", "small-engine", "-n", namespace).returncode == 0
 
-    # the API server refuses a group the engine could not form, with the CRD's words
-    bad = {**GROUP, "tensorParallelSize": 1}
+    bad = {**two, "tensorParallelSize": 1}
     result = _apply(cluster, _isvc("bad", namespace, mode="Aggregated", decode=bad), False)
     assert result.returncode != 0 and "times nodesPerReplica" in result.stderr

@@ -203,3 +203,14 @@ def test_a_worker_pod_is_told_apart_by_its_component() -> None:
     assert summarize_pod(pod, "both").group_worker
     labels["app.kubernetes.io/component"] = "engine"
     assert not summarize_pod(pod, "both").group_worker
+
+
+def test_the_crd_refuses_a_pool_changing_kind_on_update() -> None:
+    """A transition rule (the API server alone sees the old object): 1 <-> more than 1."""
+    from tandem.operator.crd import crd
+
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for role in ("prefill", "decode"):
+        field = spec["properties"][role]["properties"]["nodesPerReplica"]
+        assert field["default"] == 1
+        assert field["x-kubernetes-validations"][0]["rule"] == "(self == 1) == (oldSelf == 1)"

@@ -51,11 +51,10 @@ app.kubernetes.io/component: operator
   verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  # delete: a pool whose nodesPerReplica goes above 1 becomes a LeaderWorkerSet
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
   # patch: only to remove the gang-admission schedulingGate (admission.py)

@@ -30,7 +30,6 @@ from .indexes import (
     owner_of,
 )
 from .kube import Kube, KubeError
-from .render.leader_worker_set import LWS_API_VERSION, LWS_KIND
 from .render.manifests import render
 from .render.meta import ADMISSION_GATE, Manifest, cache_claim_name, cached_model_key
 from .render.options import RenderOptions
@@ -49,7 +48,6 @@ PRUNABLE = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
     ("batch/v1", "Job"),
     (KEDA_API_VERSION, "ScaledObject"),
-    (LWS_API_VERSION, LWS_KIND),  # nodesPerReplica back to 1: the pool is a Deployment again
 )
 
 REFRESH_DELAY_SECONDS = 0.3
@@ -191,9 +189,6 @@ def _apply_all(
                 kube.delete(
                     {"apiVersion": api_version, "kind": kind, "metadata": existing["metadata"]}
                 )
-    for manifest in manifests:  # nodesPerReplica above 1: a LeaderWorkerSet replaces the pool's
-        if manifest["kind"] == LWS_KIND:  # Deployment of the same name (absent: a no-op)
-            kube.delete({**manifest, "apiVersion": "apps/v1", "kind": "Deployment"})
 
 
 def _render_changed(

@@ -64,6 +64,10 @@ def _power_of_two(n: int) -> bool:
 
 
 POWERS_OF_TWO_64 = "[1, 2, 4, 8, 16, 32, 64]"
+NODES_PER_REPLICA_KIND = (
+    "nodesPerReplica cannot change between 1 and more than 1: the pool would change kind "
+    "(Deployment, LeaderWorkerSet); create a new InferenceService"
+)
 
 
 class RoleSpec(SpecModel):
@@ -87,6 +91,14 @@ class RoleSpec(SpecModel):
         le=64,
         description="Pods (nodes) one replica spans: above 1, each replica is a "
         "LeaderWorkerSet group of this many pods, each with gpus GPUs, running one engine",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(self == 1) == (oldSelf == 1)",
+                    "message": NODES_PER_REPLICA_KIND,
+                }
+            ]
+        },
     )
     tensor_parallel_size: int | None = Field(
         None, ge=1, description="If given, must equal gpus x nodesPerReplica"

@@ -64,23 +64,21 @@ def _group_pod(lws: dict[str, Any], template: str, index: int) -> dict[str, Any]
 
 
 def _set_status(cluster: Cluster, lws: dict[str, Any], ready: int) -> None:
-    """What LWS's controller writes: counts in groups, conditions with their generation."""
+    """What LWS v0.8.0's controller writes: counts in groups, Available or Progressing
+    (exclusive), and no observedGeneration anywhere (its makeCondition sets none)."""
     replicas = lws["spec"]["replicas"]
+    done = ready == replicas
+    at = "2026-01-01T00:00:00Z"
+    conditions = [
+        {"type": "Available", "status": str(done), "reason": "AllGroupsReady"},
+        {"type": "Progressing", "status": str(not done), "reason": "GroupsProgressing"},
+    ]
     status = {
         "status": {
             "replicas": replicas,
             "readyReplicas": ready,
             "updatedReplicas": replicas,
-            "conditions": [
-                {
-                    "type": "Available",
-                    "status": "True" if ready == replicas else "False",
-                    "reason": "AllGroupsReady" if ready == replicas else "GroupsNotReady",
-                    "message": f"{ready}/{replicas} groups ready",
-                    "lastTransitionTime": "2026-01-01T00:00:00Z",
-                    "observedGeneration": lws["metadata"]["generation"],
-                }
-            ],
+            "conditions": [{**c, "message": "", "lastTransitionTime": at} for c in conditions],
         }
     }
     cluster.kubectl(

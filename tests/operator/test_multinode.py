@@ -131,23 +131,27 @@ def isvc_body(**spec: Any) -> dict[str, Any]:
     }
 
 
-def lws_body(replicas: int, ready: int, updated: int, total: int, observed: int = 1) -> dict:
-    """A LeaderWorkerSet as LWS's controller leaves it (no observedGeneration of its own)."""
+def lws_body(replicas: int, ready: int, updated: int, total: int, updating: bool = False) -> dict:
+    """A LeaderWorkerSet as LWS v0.8.0's controller leaves it: counts in groups, Available
+    and Progressing exclusive, UpdateInProgress while a rollout runs, and no
+    observedGeneration anywhere (makeCondition sets none)."""
+    done = ready == replicas
+    conditions = [
+        {"type": "Available", "status": str(done), "reason": "AllGroupsReady"},
+        {"type": "Progressing", "status": str(not done), "reason": "GroupsProgressing"},
+    ]
+    if updating:
+        conditions.append(
+            {"type": "UpdateInProgress", "status": "True", "reason": "GroupsUpdating"}
+        )
     return {
-        "metadata": {"generation": 1},
+        "metadata": {"generation": 3},
         "spec": {"replicas": replicas},
         "status": {
             "replicas": total,
             "readyReplicas": ready,
             "updatedReplicas": updated,
-            "conditions": [
-                {
-                    "type": "Available",
-                    "status": "True" if ready else "False",
-                    "reason": "AllGroupsReady" if ready == replicas else "GroupsNotReady",
-                    "observedGeneration": observed,
-                }
-            ],
+            "conditions": conditions,
         },
     }
 
@@ -157,12 +161,7 @@ def test_status_counts_groups_and_serves_only_through_a_ready_leader() -> None:
     layout = plan(svc).kv_layout
     base = healthy(svc)
     lws = summarize_leader_worker_set(lws_body(2, 1, 2, 2), "both")
-    assert (lws.kind, lws.desired, lws.ready, lws.observed_generation) == (
-        "LeaderWorkerSet",
-        2,
-        1,
-        1,
-    )
+    assert (lws.kind, lws.desired, lws.ready) == ("LeaderWorkerSet", 2, 1)
     proxy = [p for p in base.pods if p.role == "proxy"]
     worker = PodSummary("both", True, kv_layout=layout, group_worker=True)
     leader = PodSummary("both", True, kv_layout=layout)
@@ -188,13 +187,22 @@ def test_status_counts_groups_and_serves_only_through_a_ready_leader() -> None:
     assert conds(whole)["RolloutComplete"] == ("True", "Complete")
 
 
-def test_an_lws_the_controller_has_not_seen_is_still_rolling() -> None:
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"metadata": {"generation": 1}, "spec": {"replicas": 2}},  # the controller never wrote
+        lws_body(2, 2, 2, 2, updating=True),  # a rollout in progress, all groups still ready
+    ],
+    ids=["unreported", "updating"],
+)
+def test_an_lws_not_caught_up_is_still_rolling(body: dict) -> None:
     svc = isvc(**BIG)
-    unseen = summarize_leader_worker_set(lws_body(2, 2, 2, 2, observed=0), "both")
     base = healthy(svc)
-    deployments = [d for d in base.deployments if d.role == "proxy"] + [unseen]
+    deployments = [d for d in base.deployments if d.role == "proxy"]
+    deployments.append(summarize_leader_worker_set(body, "both"))
     status = compute_status(svc, plan(svc), Children(deployments, base.pods), 1, "t")
     assert conds(status)["DecodeReady"] == ("False", "RollingUpdate")
+    assert conds(status)["Ready"][0] == "True"  # the leader serves meanwhile
 
 
 def test_a_worker_pod_is_told_apart_by_its_component() -> None:

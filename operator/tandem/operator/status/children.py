@@ -183,21 +183,18 @@ def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
 
 def summarize_leader_worker_set(body: dict[str, Any], role: str) -> DeploymentSummary:
     """A LeaderWorkerSet (a pool of multi-node replicas) in a Deployment's terms, counted
-    in groups: LWS's ``readyReplicas`` are groups whose every pod is ready. Its status has
-    no ``observedGeneration``; its conditions carry the generation they were written for."""
+    in groups: LWS's ``readyReplicas`` are groups whose every pod is ready."""
     spec, status, meta = (
         body.get("spec") or {},
         body.get("status") or {},
         body.get("metadata") or {},
     )
-    conditions = status.get("conditions") or []
     ready = int(status.get("readyReplicas") or 0)
+    generation = int(meta.get("generation") or 0)
     return DeploymentSummary(
         role=role,
-        generation=int(meta.get("generation") or 0),
-        observed_generation=max(
-            (int(c.get("observedGeneration") or 0) for c in conditions), default=0
-        ),
+        generation=generation,
+        observed_generation=_lws_observed(status.get("conditions") or [], generation),
         desired=int(spec["replicas"] if spec.get("replicas") is not None else 1),
         ready=ready,
         updated=int(status.get("updatedReplicas") or 0),
@@ -205,6 +202,22 @@ def summarize_leader_worker_set(body: dict[str, Any], role: str) -> DeploymentSu
         total=int(status.get("replicas") or 0),
         kind="LeaderWorkerSet",
     )
+
+
+def _lws_observed(conditions: list[dict[str, Any]], generation: int) -> int:
+    """The generation LWS's counts are for. Its status has no ``observedGeneration`` and
+    v0.8.0's controller sets none on its conditions: there, no condition yet, or a True
+    ``UpdateInProgress``, means the latest spec is not rolled out (``Progressing`` only says
+    not every group is ready), and otherwise the counts are taken as current (so, for the
+    instant between an update and the controller's next status write, the old counts
+    stand). A condition that does carry one is believed."""
+    stated = [int(c["observedGeneration"]) for c in conditions if c.get("observedGeneration")]
+    if stated:
+        return max(stated)
+    busy = any(
+        c.get("type") == "UpdateInProgress" and c.get("status") == "True" for c in conditions
+    )
+    return generation - 1 if busy or not conditions else generation
 
 
 def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:

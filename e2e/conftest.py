@@ -118,8 +118,8 @@ def operator(
 
 @pytest.fixture(scope="session")
 def third_party_crds(cluster: Cluster) -> Iterator[None]:
-    """KEDA's, the Prometheus Operator's and GIE's InferencePool CRDs, installed once (before
-    any chart install); tests that need them use this fixture."""
+    """KEDA's, the Prometheus Operator's, GIE's InferencePool and LWS's LeaderWorkerSet CRDs,
+    installed once (before any chart install); tests that need them use this fixture."""
     directory = crd_dir()
     missing = missing_crds(directory)
     if missing:
@@ -129,12 +129,21 @@ def third_party_crds(cluster: Cluster) -> Iterator[None]:
         pytest.skip(reason)
     for name in THIRD_PARTY_CRDS:
         cluster.kubectl("apply", "--server-side", "-f", str(directory / name))
-    cluster.kubectl(
+    established = (
         "wait",
         "--for=condition=Established",
         "crd/scaledobjects.keda.sh",
         "crd/podmonitors.monitoring.coreos.com",
         "crd/inferencepools.inference.networking.k8s.io",
+        "crd/leaderworkersets.leaderworkerset.x-k8s.io",
         "--timeout=60s",
+    )
+    # kubectl wait fails at once ("status.conditions accessor error") on a CRD created so
+    # recently that it has no conditions yet, instead of waiting: ask again until it holds
+    wait_for(
+        "the third-party CRDs to be Established",
+        lambda: cluster.kubectl(*established, check=False).returncode == 0,
+        timeout=90,
+        interval=1,
     )
     yield

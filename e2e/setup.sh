@@ -41,12 +41,13 @@ else
   "$python" -m e2e.cluster install-tools "$bin"
 fi
 
-# KEDA's, the Prometheus Operator's and GIE's InferencePool CRDs, generated with controller-gen from their
+# KEDA's, the Prometheus Operator's, GIE's InferencePool and LWS's LeaderWorkerSet CRDs, generated with controller-gen from their
 # published Go API types (e2e/cluster/crdgen, a module of its own): cached apart from the
 # control plane, so neither rebuilds the other.
 crds=$("$python" -m e2e.cluster crd-dir)
 if [[ -f "$crds/keda.sh_scaledobjects.yaml" && -f "$crds/monitoring.coreos.com_podmonitors.yaml"
-      && -f "$crds/inference.networking.k8s.io_inferencepools.yaml" ]]; then
+      && -f "$crds/inference.networking.k8s.io_inferencepools.yaml"
+      && -f "$crds/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ]]; then
   log "third-party CRDs: reusing $crds"
 else
   log "third-party CRDs: generating into $crds (cold: ~3 min on 2 cores)"

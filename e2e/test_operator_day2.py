@@ -35,6 +35,7 @@ from e2e.utils import (
     _isvc,
     _patch_engine,
     _quota,
+    _wait_condition,
     _wait_ready,
     running_operator,
 )
@@ -89,23 +90,6 @@ def test_every_name_the_api_server_accepts_is_served_or_refused_at_apply(
 
 
 # ---- problem 2: refused pods are not a normal rollout ---------------------------------------
-
-
-def _wait_condition(
-    cluster: Cluster, op: Operator, namespace: str, name: str, type_: str, reason: str
-) -> dict[str, Any]:
-    seen: list[dict[str, Any]] = []
-
-    def has() -> bool:
-        seen.append(_get(cluster, "tisvc", name, namespace))
-        return _condition(seen[-1], type_).get("reason") == reason
-
-    try:
-        wait_for(f"{name} {type_} reason {reason}", has, timeout=60, interval=1)
-    except TimeoutError:
-        print(json.dumps(seen[-1].get("status"), indent=1), op.tail())
-        raise
-    return seen[-1]
 
 
 def test_pods_the_api_server_refuses_are_degraded_within_seconds_with_its_words(

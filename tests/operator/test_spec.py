@@ -225,6 +225,9 @@ def test_engine_fields_are_engine_config_fields() -> None:
             assert spec_args <= want_args, name
     # Not exposed on purpose: the model comes from spec.model, the device is the pod's GPUs,
     # tensor parallelism is each role's gpus, and the CPU-only KV byte cap is irrelevant; the
-    # LoRA config file is the operator's own ConfigMap of spec.loras (topology.lora_config).
+    # LoRA config file is the operator's own ConfigMap of spec.loras (topology.lora_config);
+    # a multi-node replica's group (nnodes, node_rank, leader_addr) is each role's
+    # nodesPerReplica, rendered with LWS's addresses (render/leader_worker_set.py).
     hidden = {"model", "device", "tensor_parallel_size", "max_kv_cache_bytes", "lora_config"}
+    hidden |= {"nnodes", "node_rank", "leader_addr"}
     assert config_fields - set(EngineSpec.model_fields) == hidden

@@ -8,6 +8,7 @@ require (
 	github.com/kedacore/keda/v2 v2.21.0
 	github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring v0.95.1
 	sigs.k8s.io/gateway-api-inference-extension v1.4.0
+	sigs.k8s.io/lws v0.8.0
 )
 
 require (

@@ -8,6 +8,7 @@ structural (every field typed, no ``$ref``), carries the spec's defaults, and ea
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 import typing
@@ -150,7 +151,8 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
         if info.description:
             schema["description"] = info.description
         if isinstance(info.json_schema_extra, dict):
-            schema.update(info.json_schema_extra)  # type: ignore[arg-type]
+            # a copy: a model used twice (prefill, decode) must not dump as a YAML alias
+            schema.update(copy.deepcopy(info.json_schema_extra))  # type: ignore[arg-type]
         if info.is_required():
             required.append(key)
         properties[key] = schema

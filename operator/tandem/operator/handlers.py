@@ -197,6 +197,7 @@ def deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=MANAGED)
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
 @kopf.on.event("batch", "v1", "jobs", labels=MANAGED)
 @kopf.on.event("", "v1", "persistentvolumeclaims", labels=MANAGED)

@@ -26,6 +26,7 @@ from .status.children import (
     summarize_claim,
     summarize_deployment,
     summarize_job,
+    summarize_leader_worker_set,
     summarize_pod,
     summarize_pool,
 )
@@ -34,6 +35,7 @@ from .topology import ENGINE_SELECTOR_LABEL, Topology
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 INDEXES = (
     "child_deployments",
+    "child_leaderworkersets",
     "child_pods",
     "child_jobs",
     "child_claims",
@@ -60,6 +62,23 @@ def child_deployments(
 ) -> dict[Any, Any]:
     owner, role = owner_of(labels), labels.get(ROLE_LABEL)
     return {(namespace, owner): summarize_deployment(dict(body), role)} if owner and role else {}
+
+
+@kopf.index(
+    "leaderworkerset.x-k8s.io",
+    "v1",
+    "leaderworkersets",
+    id="child_leaderworkersets",
+    labels=MANAGED,
+)
+def child_leaderworkersets(
+    namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    """Pools of multi-node replicas; kopf skips the watch while LWS's CRD is not installed."""
+    owner, role = owner_of(labels), labels.get(ROLE_LABEL)
+    if not (owner and role):
+        return {}
+    return {(namespace, owner): summarize_leader_worker_set(dict(body), role)}
 
 
 @kopf.index("", "v1", "pods", id="child_pods", labels=MANAGED)
@@ -128,7 +147,11 @@ def gpu_pods_index(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 def children_of(key: Key, topology: Topology, indexes: dict[str, kopf.Index]) -> Children:
     job_name = download_job_name(topology) if topology.model.kind == "hf" else None
     return Children(
-        deployments=list(indexes["child_deployments"].get(key, [])),
+        # a role's LeaderWorkerSet after its Deployment: the one that replaces it wins
+        deployments=[
+            *indexes["child_deployments"].get(key, []),
+            *indexes["child_leaderworkersets"].get(key, []),
+        ],
         pods=list(indexes["child_pods"].get(key, [])),
         jobs=[j for j in indexes["child_jobs"].get(key, []) if j.name == job_name],
         claims=list(indexes["child_claims"].get(key, [])),

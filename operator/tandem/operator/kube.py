@@ -30,6 +30,7 @@ PLURALS = {
     "ConfigMap": "configmaps",
     "Pod": "pods",
     "PodGroup": "podgroups",
+    "LeaderWorkerSet": "leaderworkersets",
     "Secret": "secrets",
     "NetworkPolicy": "networkpolicies",
     "InferencePool": "inferencepools",

@@ -23,7 +23,11 @@ def hold_old_layout(topology: Topology, pods: list[PodSummary]) -> bool:
     pods of another KV layout, and no ready prefill and decode of the new one."""
     if topology.mode != "Disaggregated":
         return False
-    engines = [p for p in pods if p.role in ("prefill", "decode") and not p.terminating]
+    engines = [
+        p
+        for p in pods
+        if p.role in ("prefill", "decode") and not p.terminating and not p.group_worker
+    ]
     if not any(p.kv_layout != topology.kv_layout for p in engines):
         return False
     ready = {p.role for p in engines if p.ready and p.kv_layout == topology.kv_layout}

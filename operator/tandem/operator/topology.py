@@ -69,6 +69,8 @@ class RolePlan:
     port: int
     autoscaling: Autoscaling | None = None
     spec: RoleSpec | None = None
+    nodes: int = 1
+    """Pods one replica spans (``nodesPerReplica``): above 1, a LeaderWorkerSet group."""
 
     @property
     def is_engine(self) -> bool:
@@ -232,8 +234,8 @@ def plan(
 def engine_role(
     isvc: InferenceService, role: RoleName, pool: str, role_spec: RoleSpec, model_path: str
 ) -> RolePlan:
-    """One engine pool: ``tandem serve`` with the model, the role, one rank per GPU, and
-    ``spec.engine`` as flags."""
+    """One engine pool: ``tandem serve`` with the model, the role, one rank per GPU (of
+    every pod of a multi-node replica), and ``spec.engine`` as flags."""
     spec = isvc.spec
     args = [
         "serve",
@@ -244,7 +246,7 @@ def engine_role(
         "--role",
         role,
         "--tensor-parallel-size",
-        str(max(1, role_spec.gpus)),
+        str(max(1, role_spec.gpus) * role_spec.nodes_per_replica),
         "--shutdown-timeout",
         str(spec.engine.shutdown_timeout_seconds),
         *engine_flags(isvc),
@@ -261,6 +263,7 @@ def engine_role(
         port=ENGINE_PORT,
         autoscaling=role_spec.autoscaling,
         spec=role_spec,
+        nodes=role_spec.nodes_per_replica,
     )
 
 

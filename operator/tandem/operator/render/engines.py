@@ -47,6 +47,35 @@ def engine_deployment(
     """Engine pods: GPUs, probes sized for slow loads, a drain on termination."""
     assert role.spec is not None
     engine = isvc.spec.engine
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(topology, role.role)},
+        # Surge first so capacity never drops during a roll (it waits for a free GPU slot).
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        },
+        "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
+        "template": engine_pod_template(isvc, topology, role, options),
+    }
+    if options.hold_old_layout:
+        # new pods turn Ready (and pair) but are not yet available: no old pod is retired
+        spec["minReadySeconds"] = spec["progressDeadlineSeconds"] - 1
+    if role.autoscaling is None:
+        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(isvc, topology, pool_name(topology, role), "engine", role.role),
+        "spec": spec,
+    }
+
+
+def engine_pod_template(
+    isvc: InferenceService, topology: Topology, role: RolePlan, options: RenderOptions
+) -> Manifest:
+    """An engine pod's template, the role's ``podTemplate`` merged in: its labels (the
+    proxy discovers it by them), the served model's annotation, and the pod spec."""
+    assert role.spec is not None
     template = {
         "metadata": {
             "labels": {
@@ -63,27 +92,7 @@ def engine_deployment(
     }
     if role.spec.pod_template:
         template = merge_pod_template(template, role.spec.pod_template)
-    spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(topology, role.role)},
-        # Surge first so capacity never drops during a roll (it waits for a free GPU slot).
-        "strategy": {
-            "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-        },
-        "progressDeadlineSeconds": engine.startup_timeout_seconds + 300,
-        "template": template,
-    }
-    if options.hold_old_layout:
-        # new pods turn Ready (and pair) but are not yet available: no old pod is retired
-        spec["minReadySeconds"] = spec["progressDeadlineSeconds"] - 1
-    if role.autoscaling is None:
-        spec["replicas"] = role.replicas  # an autoscaled role's replicas belong to its autoscaler
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": object_meta(isvc, topology, pool_name(topology, role), "engine", role.role),
-        "spec": spec,
-    }
+    return template
 
 
 def engine_pod_spec(

@@ -7,6 +7,7 @@ from ..spec.inference_service import InferenceService
 from ..topology import Topology, plan
 from .engines import engine_deployment, engine_service, pod_group
 from .gateway import gateway_objects
+from .leader_worker_set import engine_leader_worker_set, group_worker_network_policy
 from .loras import lora_config_map
 from .meta import Manifest, object_meta, pool_name
 from .model import model_objects
@@ -25,6 +26,8 @@ def render(
     topology = topology or plan(isvc)
     out = model_objects(isvc, topology, options)
     out.append(network_policy(isvc, topology))
+    if any(role.nodes > 1 for role in topology.engines):
+        out.append(group_worker_network_policy(isvc, topology))
     if topology.lora_config:  # before the engines, which mount it
         out.append(lora_config_map(isvc, topology))
     if options.gang_scheduling and topology.mode == "Disaggregated":
@@ -44,5 +47,6 @@ def render(
             role.autoscaling.metric if role.autoscaling else "",
         )
         if options.model_ready or topology.model.kind != "hf":
-            out.append(engine_deployment(isvc, topology, role, options))
+            workload = engine_leader_worker_set if role.nodes > 1 else engine_deployment
+            out.append(workload(isvc, topology, role, options))
     return out

@@ -18,6 +18,9 @@ MODEL_ANNOTATION = "tandem.dev/served-model-name"
 KV_LAYOUT_LABEL = "tandem.dev/kv-layout"
 MODEL_CACHED_ANNOTATION = "tandem.dev/cached-model"
 MANAGER = "tandem-operator"
+GROUP_WORKER_COMPONENT = "engine-worker"
+"""The component label of a multi-node group's non-leader pods: they run tensor-parallel
+ranks and serve nothing (``leader_worker_set.py``), so the proxy never discovers them."""
 ADMISSION_GATE = "tandem.dev/gang-admission"
 """The schedulingGate engine pods are created with; the operator's gang admission removes it."""
 

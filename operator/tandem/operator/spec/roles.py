@@ -64,6 +64,10 @@ def _power_of_two(n: int) -> bool:
 
 
 POWERS_OF_TWO_64 = "[1, 2, 4, 8, 16, 32, 64]"
+NODES_PER_REPLICA_KIND = (
+    "nodesPerReplica cannot change between 1 and more than 1: the pool would change kind "
+    "(Deployment, LeaderWorkerSet); create a new InferenceService"
+)
 
 
 class RoleSpec(SpecModel):
@@ -75,8 +79,30 @@ class RoleSpec(SpecModel):
     autoscaling: Autoscaling | None = Field(
         None, description="Scale between min and max on a metric"
     )
-    gpus: int = Field(1, ge=0, le=64, description="GPUs per replica; the tensor-parallel size")
-    tensor_parallel_size: int | None = Field(None, ge=1, description="If given, must equal gpus")
+    gpus: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="GPUs per pod; the tensor-parallel size is gpus x nodesPerReplica",
+    )
+    nodes_per_replica: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Pods (nodes) one replica spans: above 1, each replica is a "
+        "LeaderWorkerSet group of this many pods, each with gpus GPUs, running one engine",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(self == 1) == (oldSelf == 1)",
+                    "message": NODES_PER_REPLICA_KIND,
+                }
+            ]
+        },
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="If given, must equal gpus x nodesPerReplica"
+    )
     resources: Resources | None = Field(
         None, description="CPU, memory and other resources per replica"
     )
@@ -113,10 +139,20 @@ class RoleSpec(SpecModel):
             field=".gpus",
         ),
         Rule(
-            "!has(self.tensorParallelSize) || self.tensorParallelSize == self.gpus",
-            "tensorParallelSize must equal gpus (one tensor-parallel rank per GPU)",
-            lambda r: r.tensor_parallel_size is None or r.tensor_parallel_size == r.gpus,
+            "!has(self.tensorParallelSize) || self.tensorParallelSize == self.gpus"
+            " * (has(self.nodesPerReplica) ? self.nodesPerReplica : 1)",
+            "tensorParallelSize must equal gpus (one tensor-parallel rank per GPU) times "
+            "nodesPerReplica",
+            lambda r: (
+                r.tensor_parallel_size is None
+                or r.tensor_parallel_size == r.gpus * r.nodes_per_replica
+            ),
             field=".tensorParallelSize",
+        ),
+        Rule(
+            "!has(self.nodesPerReplica) || self.nodesPerReplica == 1 || !has(self.autoscaling)",
+            "autoscaling a role with nodesPerReplica > 1 is not supported yet: set replicas",
+            lambda r: r.nodes_per_replica == 1 or r.autoscaling is None,
         ),
         Rule(
             "!has(self.resources) || !has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)"

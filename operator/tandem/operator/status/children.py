@@ -6,8 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..render.meta import KV_LAYOUT_LABEL, MODEL_CACHED_ANNOTATION, ROLE_LABEL
+from ..render.meta import (
+    GROUP_WORKER_COMPONENT,
+    KV_LAYOUT_LABEL,
+    MODEL_CACHED_ANNOTATION,
+    ROLE_LABEL,
+)
 from ..spec.roles import GPU_RESOURCE
+from ..topology import COMPONENT_LABEL
 
 DOWNLOAD_ROLE = "download"
 
@@ -30,6 +36,8 @@ class DeploymentSummary:
     its ReplicaSet."""
     total: int | None = None
     """Pods of every revision (``status.replicas``): above ``updated`` while old pods remain."""
+    kind: str = "Deployment"
+    """Or ``LeaderWorkerSet``: a pool of multi-node replicas, its counts in groups."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,9 @@ class PodSummary:
     node: str | None = None
     gates: tuple[str, ...] = ()
     """Its ``schedulingGates`` (the operator's gang admission holds it while one is there)."""
+    group_worker: bool = False
+    """A multi-node group's non-leader pod: it runs ranks and serves nothing, so it never
+    makes a serving path (its group's leader does, once the whole group has joined)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,45 @@ def summarize_deployment(body: dict[str, Any], role: str) -> DeploymentSummary:
     )
 
 
+def summarize_leader_worker_set(body: dict[str, Any], role: str) -> DeploymentSummary:
+    """A LeaderWorkerSet (a pool of multi-node replicas) in a Deployment's terms, counted
+    in groups: LWS's ``readyReplicas`` are groups whose every pod is ready."""
+    spec, status, meta = (
+        body.get("spec") or {},
+        body.get("status") or {},
+        body.get("metadata") or {},
+    )
+    ready = int(status.get("readyReplicas") or 0)
+    generation = int(meta.get("generation") or 0)
+    return DeploymentSummary(
+        role=role,
+        generation=generation,
+        observed_generation=_lws_observed(status.get("conditions") or [], generation),
+        desired=int(spec["replicas"] if spec.get("replicas") is not None else 1),
+        ready=ready,
+        updated=int(status.get("updatedReplicas") or 0),
+        available=ready,
+        total=int(status.get("replicas") or 0),
+        kind="LeaderWorkerSet",
+    )
+
+
+def _lws_observed(conditions: list[dict[str, Any]], generation: int) -> int:
+    """The generation LWS's counts are for. Its status has no ``observedGeneration`` and
+    v0.8.0's controller sets none on its conditions: there, no condition yet, or a True
+    ``UpdateInProgress``, means the latest spec is not rolled out (``Progressing`` only says
+    not every group is ready), and otherwise the counts are taken as current (so, for the
+    instant between an update and the controller's next status write, the old counts
+    stand). A condition that does carry one is believed."""
+    stated = [int(c["observedGeneration"]) for c in conditions if c.get("observedGeneration")]
+    if stated:
+        return max(stated)
+    busy = any(
+        c.get("type") == "UpdateInProgress" and c.get("status") == "True" for c in conditions
+    )
+    return generation - 1 if busy or not conditions else generation
+
+
 def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:
     status, meta = body.get("status") or {}, body.get("metadata") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
@@ -202,6 +252,7 @@ def summarize_pod(body: dict[str, Any], role: str) -> PodSummary:
         gates=tuple(
             g.get("name", "") for g in (body.get("spec") or {}).get("schedulingGates") or []
         ),
+        group_worker=(meta.get("labels") or {}).get(COMPONENT_LABEL) == GROUP_WORKER_COMPONENT,
     )
 
 

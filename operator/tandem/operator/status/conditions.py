@@ -204,7 +204,8 @@ def _too_big(type_: str, gpus: int, largest: int | None) -> Condition:
 def serving_path(isvc: InferenceService, pods: list[PodSummary]) -> str | None:
     """None when a request can be served end to end; else why not. Disaggregated needs a
     ready prefill and a ready decode engine of the same KV layout behind a ready proxy."""
-    ready = [p for p in pods if p.ready and not p.terminating]
+    # a multi-node group serves through its leader, ready once every rank has joined
+    ready = [p for p in pods if p.ready and not p.terminating and not p.group_worker]
     if isvc.spec.mode == "Aggregated":
         if not any(p.role == "both" for p in ready):
             return "no engine pod is ready"

@@ -29,6 +29,7 @@ from tandem.server.engine import (
 )
 from tandem.server.engine.model_details import describe
 from tandem.server.engine.models.config import ModelLoadError
+from tandem.server.engine.parallel import RankGroupLost
 from tandem.server.engine.stats import EngineStats
 
 log = logging.getLogger("tandem.api.engine")
@@ -339,17 +340,12 @@ class AsyncEngine:
             return
         self._publish(READY)
         try:
-            while True:
-                idle = self.paused or not engine.has_unfinished_requests()
-                if not self._apply_commands(block=idle):
-                    break
-                if not self.paused and engine.has_unfinished_requests():
-                    self._step(engine)
-                    self._count_step()
-                self._run_update(engine)
-                self._dispatch_pulls(engine)
-                self._expire(engine)
-                self._publish(READY)
+            self._serve(engine)
+        except RankGroupLost as exc:  # the engine cannot step again: the server exits
+            log.error("the engine lost a tensor-parallel rank: %s", exc)
+            self.error = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
         finally:
             for rid in list(self._tracked):
                 engine.abort_request(rid)
@@ -363,6 +359,20 @@ class AsyncEngine:
                     fut.set_exception(EngineNotReadyError("the engine stopped"))
             self.state = STOPPED
             engine.close()
+
+    def _serve(self, engine: LLMEngine) -> None:
+        """Step, apply commands, hand out outputs, until told to stop."""
+        while True:
+            idle = self.paused or not engine.has_unfinished_requests()
+            if not self._apply_commands(block=idle):
+                return
+            if not self.paused and engine.has_unfinished_requests():
+                self._step(engine)
+                self._count_step()
+            self._run_update(engine)
+            self._dispatch_pulls(engine)
+            self._expire(engine)
+            self._publish(READY)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; when idle, wait for one first. False means stop."""
@@ -505,7 +515,9 @@ class AsyncEngine:
             outputs = engine.step()
             self.step_seconds += time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
-            log.exception("engine step failed; aborting the requests in flight")
+            lost = isinstance(exc, RankGroupLost)  # ... unless it can never step again
+            if not lost:
+                log.exception("engine step failed; aborting the requests in flight")
             ids = list(self._tracked)
             for rid in ids:
                 engine.abort_request(rid)
@@ -514,6 +526,8 @@ class AsyncEngine:
             )
             for rid in ids:
                 self._tracked.pop(rid, None)
+            if lost:
+                raise
             return
         now = time.monotonic()
         batch: list[tuple[asyncio.Queue, str, RequestOutput]] = []

@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     configure_logging(args.log_level)
+    if args.node_rank:  # another node of a multi-node replica: ranks only, no API
+        return _run_member(args)
     if (listener := _listener(args)) is None:
         return 1
     try:
@@ -192,6 +194,25 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(sockets=[listener])
     return 1 if failed else 0
+
+
+def _run_member(args: argparse.Namespace) -> int:
+    """A node other than the leader of a replica that spans nodes (``--node-rank`` > 0): it
+    joins the leader's process group and runs its ranks until the leader stops
+    (``engine/parallel/member.py``); it binds no port and serves nothing."""
+    from tandem.server.engine.config import ConfigError
+    from tandem.server.engine.default_model import one_line, resolve_model
+    from tandem.server.engine.models.config import ModelLoadError
+    from tandem.server.engine.parallel.member import run_member
+
+    try:
+        model_dir, _ = resolve_model(args.model)
+        config = engine_config_from_args(args, model_dir)
+    except (ModelLoadError, ConfigError, OSError, ValueError) as exc:
+        log.error("cannot load the model: %s", one_line(exc))
+        return 1
+    run_member(config)
+    return 0
 
 
 def _listener(args: argparse.Namespace) -> socket.socket | None:

@@ -44,6 +44,13 @@ class EngineConfig:
     quantized_weights: Literal["auto", "off"] = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # A replica that spans nodes (docs/operator.md, LeaderWorkerSet): its tensor_parallel_size
+    # ranks are split evenly over nnodes processes on different hosts, which join the process
+    # group at the leader's leader_addr (HOST:PORT). Node 0 (the leader) serves the API; the
+    # others run the ranks' step loop and serve nothing (parallel/member.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    leader_addr: str | None = None
     seed: int = 0
     # P/D: how long a prefill engine holds blocks for a decode engine that never pulls them,
     # and what a decode engine does when a pull fails (end the request, or prefill itself).
@@ -118,6 +125,29 @@ class EngineConfig:
         )
         self._check_lora()
         self._check_speculative()
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        _check(self.nnodes >= 1, "nnodes must be >= 1")
+        _check(
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes), got {self.node_rank} with nnodes {self.nnodes}",
+        )
+        _check(
+            self.tensor_parallel_size % self.nnodes == 0,
+            f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+            f"({self.nnodes}): each node runs the same number of ranks",
+        )
+        host, _, port = (self.leader_addr or "").rpartition(":")
+        _check(
+            self.nnodes == 1 or (bool(host) and port.isdigit() and 0 < int(port) < 65536),
+            f"nnodes > 1 needs leader_addr as HOST:PORT, got {self.leader_addr!r}",
+        )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks each node of the replica runs."""
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_speculative(self) -> None:
         _check(

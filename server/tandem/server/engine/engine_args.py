@@ -32,7 +32,11 @@ HELP = {
     "quantized_weights": "a GGUF's Q8_0/Q4_0/Q4_1 weights multiplied as blocks (auto) or "
     "dequantized (off)",
     "enforce_eager": "no CUDA graphs for decode",
-    "tensor_parallel_size": "GPUs (ranks) the model is split over",
+    "tensor_parallel_size": "GPUs (ranks) the model is split over, on all nodes together",
+    "nnodes": "processes (nodes) one replica's ranks are split over (a LeaderWorkerSet group)",
+    "node_rank": "this process's node in the replica: 0 serves the API, the others run ranks",
+    "leader_addr": "HOST:PORT where the replica's nodes join the process group (node 0 "
+    "listens there)",
     "seed": "the seed of requests without one",
     "kv_lease_seconds": "P/D: how long a prefill engine keeps blocks no decode engine pulled",
     "kv_pull_fallback": "P/D: when a KV pull fails, end the request (error) or prefill on "

@@ -17,6 +17,12 @@ class TensorParallelError(ValueError):
     """A model that cannot be split this way (heads or sizes not divisible by the TP size)."""
 
 
+class RankGroupLost(RuntimeError):
+    """A rank of the group exited or cannot be reached: torch.distributed takes no rank back,
+    so the engine is over (its server exits; in a cluster LWS or the Deployment starts it
+    again), rather than failing every later request one by one."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0

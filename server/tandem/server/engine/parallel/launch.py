@@ -5,7 +5,10 @@ Rank 0 is the engine's own process (its ``Worker``). Ranks 1..N-1 are spawned pr
 ``ModelRunner`` and then loop: receive a message from rank 0, act on it. Messages are Python
 objects broadcast over a gloo group (``("step", StepInputs)``, ``("sleep", level)``,
 ``("wake_up", level)``, ``("load_weights", path)``, ``("stop",)``); the model's all-reduces
-go over the device group (NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free loopback TCP port.
+go over the device group (NCCL on CUDA, the same gloo group on CPU). The rendezvous is a free
+loopback TCP port, or, for a replica that spans nodes (``nnodes > 1``), the leader's
+``leader_addr``: each node's process starts its own node's ranks here and joins as the first of
+them; node 0's first rank is rank 0, the engine (``parallel/member.py`` runs the others).
 
 Cleanup is the launcher's job, whatever happens: ``close`` stops the ranks, joins them, kills
 what does not exit, and destroys the process group; it also runs when the ``Worker`` is
@@ -29,7 +32,7 @@ import torch
 from tandem.server.net import free_port
 
 from ..model_runner import ModelRunner
-from . import TensorParallel, rank_device
+from . import RankGroupLost, TensorParallel, rank_device
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -44,8 +47,9 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("TANDEM_TP_TIMEOUT_S", "600")))
 
 
-def init_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
-    """Join the process group; the device group is NCCL on CUDA, gloo on CPU."""
+def init_group(rank: int, size: int, addr: str, device: torch.device) -> TensorParallel:
+    """Join the process group at ``addr`` (HOST:PORT, rank 0 listens there); the device group
+    is NCCL on CUDA, gloo on CPU."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -58,7 +62,7 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> TensorP
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{addr}",
         rank=rank,
         world_size=size,
         timeout=_timeout(),
@@ -93,30 +97,31 @@ class RankGroup:
     ) -> RankGroup:
         import torch.multiprocessing as mp
 
-        size = config.tensor_parallel_size
-        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        size, local = config.tensor_parallel_size, config.ranks_per_node
+        if device.type == "cuda" and (device.index or 0) + local > torch.cuda.device_count():
             raise ValueError(
-                f"tensor_parallel_size {size} needs {size} GPUs from {device}; "
+                f"{local} ranks on this node need {local} GPUs from {device}; "
                 f"{torch.cuda.device_count()} visible"
             )
-        port = free_port()
+        first = config.node_rank * local  # this node's ranks: first .. first + local - 1
+        addr = config.leader_addr if config.nnodes > 1 else f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         tp = None
         try:
-            for rank in range(1, size):
+            for local_rank in range(1, local):
                 parent_end, child_end = ctx.Pipe()
                 p = ctx.Process(
                     target=rank_main,
-                    name=f"tandem-tp-rank{rank}",
+                    name=f"tandem-tp-rank{first + local_rank}",
                     daemon=True,
                     args=(
-                        rank,
+                        first + local_rank,
                         size,
-                        port,
+                        addr,
                         config,
                         model_config,
-                        rank_device(device, rank),
+                        rank_device(device, local_rank),
                         child_end,
                         os.getpid(),
                     ),
@@ -128,7 +133,7 @@ class RankGroup:
             # Every rank says it is about to join before rank 0 blocks in the rendezvous, so a
             # rank that died on import fails the start at once instead of at the timeout.
             _wait_for(procs, conns, "joining")
-            tp = init_group(0, size, port, device)
+            tp = init_group(first, size, addr, device)
         except BaseException:
             _shutdown(procs, conns, 0.0, tp is not None)
             raise
@@ -145,9 +150,12 @@ class RankGroup:
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead:
             self._broken = True
-            raise RuntimeError(f"tensor-parallel ranks exited: {', '.join(dead)}")
+            raise RankGroupLost(f"tensor-parallel ranks exited: {', '.join(dead)}")
         try:
             broadcast(msg, self.tp)
+        except Exception as exc:  # a rank of another node exited: its connection closed
+            self._broken = True
+            raise RankGroupLost(f"a tensor-parallel rank is unreachable: {exc}") from exc
         except BaseException:
             self._broken = True
             raise
@@ -160,7 +168,8 @@ class RankGroup:
     def close(self) -> None:
         if not self._finalizer.alive:
             return
-        if not self._broken and all(p.is_alive() for p in self.procs):
+        # only rank 0 sends: another node's ranks got the same "stop" its own process did
+        if self.tp.rank == 0 and not self._broken and all(p.is_alive() for p in self.procs):
             try:
                 broadcast(("stop",), self.tp)
             except Exception:  # a broken group: the kill below still ends the ranks
@@ -229,7 +238,7 @@ def _watch_parent(parent_pid: int) -> None:
 def rank_main(
     rank: int,
     size: int,
-    port: int,
+    addr: str,
     config: EngineConfig,
     model_config: ModelConfig,
     device: torch.device,
@@ -239,31 +248,36 @@ def rank_main(
     """A spawned rank: join, build its runner, then serve rank 0's messages until "stop"."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
     try:
         conn.send(("joining", None))
-        tp = init_group(rank, size, port, device)
+        tp = init_group(rank, size, addr, device)
         runner = ModelRunner(config, model_config, device, tp)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
     try:
-        while True:
-            msg = broadcast(None, tp)
-            kind = msg[0]
-            if kind == "step":
-                runner.run(msg[1], compute_logits=False)
-            elif kind == "sleep":
-                runner.sleep(msg[1])
-            elif kind == "wake_up":
-                runner.wake_up(msg[1])
-            elif kind == "load_weights":
-                runner.load_weights(msg[1])
-            elif kind == "stop":
-                break
-            else:
-                raise RuntimeError(f"unknown message {kind!r}")
+        follow_steps(runner, tp)
     finally:
         _destroy_group()
         conn.close()
+
+
+def follow_steps(runner: ModelRunner, tp: TensorParallel) -> None:
+    """Act on rank 0's messages, in order, until "stop": every rank but rank 0 does this."""
+    while True:
+        msg = broadcast(None, tp)
+        kind = msg[0]
+        if kind == "step":
+            runner.run(msg[1], compute_logits=False)
+        elif kind == "sleep":
+            runner.sleep(msg[1])
+        elif kind == "wake_up":
+            runner.wake_up(msg[1])
+        elif kind == "load_weights":
+            runner.load_weights(msg[1])
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown message {kind!r}")

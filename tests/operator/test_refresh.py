@@ -31,12 +31,12 @@ class RecordingKube:
         self.events.append(reason)
 
 
-def _body() -> dict[str, Any]:
+def _body(uid: str = UID) -> dict[str, Any]:
     """As created: no status yet (what kopf hands over until it sees the first write)."""
     return {
         "apiVersion": "tandem.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": "svc", "namespace": "ml", "uid": UID, "generation": 1},
+        "metadata": {"name": "svc", "namespace": "ml", "uid": uid, "generation": 1},
         "spec": {
             "mode": "Aggregated",
             "model": {"name": "tiny", "uri": "/models/tiny"},
@@ -74,3 +74,16 @@ def test_a_refresh_with_a_stale_body_writes_nothing_new() -> None:
     assert _ready(kube.statuses[0])["status"] == "False"
     assert _ready(kube.statuses[1])["status"] == "True"
     assert kube.events.count("AllRolesReady") == 1
+
+
+def test_a_recreated_namesake_does_not_inherit_the_status_written_for_the_old_one() -> None:
+    state = OperatorState(OperatorOptions())
+    kube = state.kube = RecordingKube()  # type: ignore[assignment]
+
+    async def refreshes() -> None:
+        await refresh_status(state, KEY, _body(), _indexes(ready=True))
+        # deleted and created again before the operator forgot the old one
+        await refresh_status(state, KEY, _body(uid="another-uid"), _indexes(ready=True))
+
+    asyncio.run(refreshes())
+    assert len(kube.statuses) == 2, "the new object's first refresh writes its status"

@@ -98,7 +98,9 @@ async def refresh_status(
         log.info("[%s/%s] admitting %s (free GPUs per node %s)", *key, admission.admit, free)
     for pod in admission.admit:
         await state.write(state.client().remove_gate, key[0], pod, ADMISSION_GATE)
-    previous = state.statuses.get(key) or parse_status(body.get("status"))
+    uid = body["metadata"].get("uid")
+    written = state.statuses.get(key)
+    previous = written[1] if written and written[0] == uid else parse_status(body.get("status"))
     observed = state.applied_generation.get(key, previous.observed_generation if previous else None)
     new = compute_status(
         isvc,
@@ -113,7 +115,7 @@ async def refresh_status(
         return
     kube = state.client()
     await state.write(kube.patch_status, key[0], key[1], as_patch(new))
-    state.statuses[key] = new
+    state.statuses[key] = (uid, new)
     posted = state.posted.setdefault(key, {})
     for event in events(previous, new):
         if posted.get(event.condition) == (event.status, event.reason):

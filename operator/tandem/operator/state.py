@@ -62,10 +62,11 @@ class OperatorState:
     """Whether the last apply held the old KV layout's engines (``rollout.py``)."""
     planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)
     """How each InferenceService's last planner round went, for AutoscalingActive."""
-    statuses: dict[Key, InferenceServiceStatus] = field(default_factory=dict)
-    """The status last written per InferenceService: the next refresh compares with it, not
-    with the body kopf hands over, which under load predates that write (comparing with the
-    stale body rewrote the same status with a later lastTransitionTime, once per child event)."""
+    statuses: dict[Key, tuple[str | None, InferenceServiceStatus]] = field(default_factory=dict)
+    """(uid, the status last written) per InferenceService: the next refresh compares with
+    it, not with the body kopf hands over, which under load predates that write (comparing
+    with the stale body rewrote the same status with a later lastTransitionTime, once per
+    child event). The uid keeps a recreated namesake from inheriting it."""
     writes: ThreadPoolExecutor = field(default_factory=lambda: _pool(WRITE_THREADS))
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:

@@ -191,7 +191,7 @@ async def plan_pools(
 
 
 @kopf.on.delete(*ISVC, optional=True)
-def deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """No finalizer of its own (optional=True): forget our bookkeeping; the GC does the rest."""
     memo.state.forget((namespace, name))
 

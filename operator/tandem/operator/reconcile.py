@@ -97,8 +97,10 @@ async def refresh_status(
     if admission.admit:
         log.info("[%s/%s] admitting %s (free GPUs per node %s)", *key, admission.admit, free)
     for pod in admission.admit:
-        await asyncio.to_thread(state.client().remove_gate, key[0], pod, ADMISSION_GATE)
-    previous = parse_status(body.get("status"))
+        await state.write(state.client().remove_gate, key[0], pod, ADMISSION_GATE)
+    uid = body["metadata"].get("uid")
+    written = state.statuses.get(key)
+    previous = written[1] if written and written[0] == uid else parse_status(body.get("status"))
     observed = state.applied_generation.get(key, previous.observed_generation if previous else None)
     new = compute_status(
         isvc,
@@ -112,15 +114,14 @@ async def refresh_status(
     if not status_changed(previous, new):
         return
     kube = state.client()
-    await asyncio.to_thread(kube.patch_status, key[0], key[1], as_patch(new))
+    await state.write(kube.patch_status, key[0], key[1], as_patch(new))
+    state.statuses[key] = (uid, new)
     posted = state.posted.setdefault(key, {})
     for event in events(previous, new):
         if posted.get(event.condition) == (event.status, event.reason):
             continue  # the index lagged our own write: posted already
         posted[event.condition] = (event.status, event.reason)
-        await asyncio.to_thread(
-            kube.post_event, body, event.type, event.reason, event.message, _now()
-        )
+        await state.write(kube.post_event, body, event.type, event.reason, event.message, _now())
         state.metrics.events.labels(event.type, event.reason).inc()
 
 

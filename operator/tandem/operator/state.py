@@ -4,13 +4,23 @@ shares. kopf hands it to each handler as ``memo.state`` (``handlers.operator_mem
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .autoscaler.planner import PlannerState
 from .kube import Kube
 from .metrics import OperatorMetrics
 from .render.options import RenderOptions
+from .spec.status import InferenceServiceStatus
 from .status.children import PlannerReport
+
+T = TypeVar("T")
+
+WRITE_THREADS = 4
+"""Threads for status patches, Events and gate removals (:meth:`OperatorState.write`)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,19 @@ class OperatorState:
     """Whether the last apply held the old KV layout's engines (``rollout.py``)."""
     planner_reports: dict[Key, PlannerReport] = field(default_factory=dict)
     """How each InferenceService's last planner round went, for AutoscalingActive."""
+    statuses: dict[Key, tuple[str | None, InferenceServiceStatus]] = field(default_factory=dict)
+    """(uid, the status last written) per InferenceService: the next refresh compares with
+    it, not with the body kopf hands over, which under load predates that write (comparing
+    with the stale body rewrote the same status with a later lastTransitionTime, once per
+    child event). The uid keeps a recreated namesake from inheriting it."""
+    writes: ThreadPoolExecutor = field(default_factory=lambda: _pool(WRITE_THREADS))
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a status patch, an Event or a gate removal on threads of their own: in
+        ``asyncio.to_thread``'s pool (a FIFO of min(32, cores + 4) threads) they queued behind
+        every apply of a burst (1,000 services created at once), seconds each."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.writes, functools.partial(fn, *args))
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -69,5 +92,10 @@ class OperatorState:
             self.planner,
             self.planner_reports,
             self.held,
+            self.statuses,
         ):
             table.pop(key, None)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="tandem-write")

@@ -88,9 +88,10 @@ def test_the_engines_speak_the_model_server_protocol(gateway) -> None:
     assert read.num_blocks == int(info.labels["num_gpu_blocks"]) and 0.0 <= read.kv_usage <= 1.0
 
 
-def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:
-    _, engines = gateway
-    direct = openai.OpenAI(base_url=engines[0].url + "/v1", api_key="unused", max_retries=0)
+def _answers_match_one_engine(client: openai.OpenAI, engine: ServerProcess) -> None:
+    """Chat, a streamed completion and a bodiless GET through the gateway: the engine's own
+    answers, token for token."""
+    direct = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Name a prime number."}]
     want = direct.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0
@@ -111,25 +112,9 @@ def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client
     assert [m.id for m in client.models.list()] == [MODEL]  # a bodiless GET is routed too
 
 
-def test_an_unknown_model_is_a_404_in_openais_shape(client) -> None:
-    with pytest.raises(openai.NotFoundError) as err:
-        client.completions.create(model="nope", prompt="hi", max_tokens=2)
-    assert err.value.body["code"] == "model_not_found"
-
-
-def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> None:
-    _, engines = gateway
-    before = _served(engines)
-    for i in range(6):
-        client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}:", max_tokens=4)
-    counts = sorted(_delta(before, _served(engines)))
-    assert counts == [0, 0, 6]
-
-
-def test_load_spreads_when_queues_grow(gateway, client) -> None:
+def _burst_spreads(client: openai.OpenAI, engines: list[ServerProcess]) -> None:
     """Twelve requests at once on one prefix: affinity is worth about four queued requests,
     so the first engine's queue sends the rest elsewhere."""
-    _, engines = gateway
     before = _served(engines)
 
     def one(i: int) -> None:
@@ -146,6 +131,51 @@ def test_load_spreads_when_queues_grow(gateway, client) -> None:
     assert sum(counts) == 12
     assert sum(1 for c in counts if c) >= 2, counts
     assert max(counts) <= 9, counts
+
+
+def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:
+    _, engines = gateway
+    _answers_match_one_engine(client, engines[0])
+
+
+@pytest.mark.parametrize("response", ["none", "streamed"])
+def test_each_response_mode_a_gateway_may_configure(gateway, tmp_path, response: str) -> None:
+    """The response's phases are the gateway's choice: none (the exchange ends with the
+    request's body: each pick counts as load until the engine's next scrape shows it) or
+    all of them, the body streamed through the picker as GIE's reference gateways do. Both
+    give the engine's answers, streamed ones included, and spread a burst."""
+    _, engines = gateway
+    nodes = [a for e in engines for a in ("--node", e.url)]
+    flags = ["--health-interval", "0.3", "--metrics-interval", "0.2"]
+    started: list = []
+    try:
+        config = functools.partial(gie_gateway, response=response)
+        envoy = start_gateway(started, tmp_path, *nodes, *flags, config=config)
+        c = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0)
+        _answers_match_one_engine(c, engines[0])
+        _burst_spreads(c, engines)
+    finally:
+        stop_all(started[::-1])
+
+
+def test_an_unknown_model_is_a_404_in_openais_shape(client) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> None:
+    _, engines = gateway
+    before = _served(engines)
+    for i in range(6):
+        client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}:", max_tokens=4)
+    counts = sorted(_delta(before, _served(engines)))
+    assert counts == [0, 0, 6]
+
+
+def test_load_spreads_when_queues_grow(gateway, client) -> None:
+    _, engines = gateway
+    _burst_spreads(client, engines)
 
 
 def test_the_gateways_subset_hint_through_envoy(gateway, tmp_path) -> None:

@@ -80,10 +80,25 @@ def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[
     }
 
 
-def _ext_proc(cluster: str, response_headers: bool = True) -> dict[str, Any]:
-    """GIE's filter: request headers and body (full duplex) to the picker, response headers
-    too (the picker learns how its engine answered; ``response_headers`` False skips that
-    round trip); response bodies pass untouched."""
+# What the gateway sends the picker of the engine's response (``processing_mode``):
+# "none": nothing, the exchange ends with the request's body (one round trip per request);
+# "headers": the response's headers (one more round trip, before the client sees them);
+# "streamed": headers, body (full duplex) and trailers, as GIE's and llm-d's reference Envoy
+# configurations send them.
+RESPONSE_MODES = {
+    "none": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
+    "headers": {"response_header_mode": "SEND", "response_body_mode": "NONE"},
+    "streamed": {
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_trailer_mode": "SEND",
+    },
+}
+
+
+def _ext_proc(cluster: str, response: str = "headers") -> dict[str, Any]:
+    """GIE's filter: request headers and body (full duplex) to the picker, and what
+    ``RESPONSE_MODES[response]`` says of the response."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -97,9 +112,8 @@ def _ext_proc(cluster: str, response_headers: bool = True) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND" if response_headers else "SKIP",
-                "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
+                **RESPONSE_MODES[response],
             },
         },
     }
@@ -143,10 +157,11 @@ def gie_gateway(
     picker_port: int,
     admin_port: int,
     subset: list[str] | None = None,
-    response_headers: bool = True,
+    response: str = "headers",
 ) -> dict[str, Any]:
     """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``; ``subset``: the
-    gateway hints that only these ``ip:port`` endpoints may serve."""
+    gateway hints that only these ``ip:port`` endpoints may serve; ``response``: what it
+    sends the picker of the response (``RESPONSE_MODES``)."""
     pool = {
         "name": "pool",
         "type": "ORIGINAL_DST",
@@ -163,7 +178,7 @@ def gie_gateway(
                     "pool",
                     [
                         *([_subset_hint(subset)] if subset else []),
-                        _ext_proc("epp", response_headers),
+                        _ext_proc("epp", response),
                     ],
                 )
             ],

@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 429 when every engine that could serve a request has this many waiting",
     )
     parser.add_argument(
+        "--fallback-endpoints",
+        type=int,
+        default=0,
+        help="name up to this many further engines after the chosen one, best first, for a "
+        "gateway that falls back down the list (0: one; Envoy's ORIGINAL_DST takes only one)",
+    )
+    parser.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between /health polls"
     )
     parser.add_argument(
@@ -56,6 +63,7 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         policy=args.policy,
         disagg_threshold=args.disagg_threshold,
         shed_queue=args.shed_queue,
+        fallbacks=args.fallback_endpoints,
         internal_key=credentials.internal_key,
     )
     return PickerSettings(

@@ -51,8 +51,9 @@ def subset_hint(request: ext_proc.ProcessingRequest) -> frozenset[str] | None:
 def routed(
     endpoint: str, body_length: int | None, prefiller: tuple[str, str] | None = None
 ) -> ext_proc.ProcessingResponse:
-    """The answer to the request's headers: the endpoint in the header and the metadata (one
-    value), the route cache cleared so the gateway routes on it, and the P/D headers set
+    """The answer to the request's headers: the endpoint (``ip:port``, or a list
+    ``ip:port,ip:port`` best first for a gateway that falls back) in the header and the
+    metadata (one value), the route cache cleared so the gateway routes on it, and the P/D headers set
     (``prefiller``: the prefill endpoint and its signature) or removed."""
     sets = {DESTINATION_HEADER: endpoint}
     if body_length is not None:
@@ -81,20 +82,23 @@ def routed(
     )
 
 
-def body_passed(body: bytes, end_of_stream: bool = True) -> ext_proc.ProcessingResponse:
-    """In full-duplex streaming the picker hands the body back to the gateway; unchanged."""
+def body_passed(
+    body: bytes, end_of_stream: bool = True, phase: str = "request_body"
+) -> ext_proc.ProcessingResponse:
+    """In full-duplex streaming the picker hands each body chunk back to the gateway,
+    unchanged: the request's (``phase`` ``request_body``) and, when the gateway streams the
+    response through the picker too as GIE's reference gateways do, the response's
+    (``response_body``)."""
     streamed = ext_proc.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    mutation = ext_proc.BodyMutation(streamed_response=streamed)
     return ext_proc.ProcessingResponse(
-        request_body=ext_proc.BodyResponse(
-            response=ext_proc.CommonResponse(
-                body_mutation=ext_proc.BodyMutation(streamed_response=streamed)
-            )
-        )
+        **{phase: ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=mutation))}
     )
 
 
-def trailers_passed() -> ext_proc.ProcessingResponse:
-    return ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
+def trailers_passed(phase: str = "request_trailers") -> ext_proc.ProcessingResponse:
+    """Trailers (``request_trailers`` or ``response_trailers``) pass unchanged."""
+    return ext_proc.ProcessingResponse(**{phase: ext_proc.TrailersResponse()})
 
 
 def response_headers_passed() -> ext_proc.ProcessingResponse:

@@ -5,16 +5,18 @@ flags locally, Kubernetes discovery in a cluster."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
+import contextlib
 import os
+from collections.abc import Callable
 
-from tandem.server.logsafe import add_log_level_argument, configure_logging
+from tandem.server.logsafe import add_log_level_argument
 from tandem.server.proxy.cli import (
     add_discovery_arguments,
     add_routing_arguments,
+    current_namespace,
     discovery_from_args,
 )
+from tandem.server.proxy.registry import Registry
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 
 from .choice import PickerConfig
@@ -31,6 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_credential_arguments(parser, "TANDEM_EPP_API_KEY")
     parser.set_defaults(api_key=None)  # the gateway authenticates clients; the picker has none
     add_discovery_arguments(parser)
+    parser.add_argument(
+        "--pool-name",
+        default=None,
+        help="find the engines from this InferencePool (its selector and target port), as "
+        "GIE's picker does (its selector rules over --selector)",
+    )
+    parser.add_argument(
+        "--pool-namespace",
+        default=None,
+        help="the pool's namespace (default: --namespace, else this pod's)",
+    )
     add_routing_arguments(parser)
     parser.add_argument(
         "--shed-queue",
@@ -71,19 +84,18 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         static_nodes=tuple(parse_node_flag(v) for v in args.node),
         health_interval=args.health_interval,
         metrics_interval=args.metrics_interval,
-        discovery=discovery_from_args(args),
+        discovery=_discovery(args),
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from .server import serve
+def _discovery(
+    args: argparse.Namespace,
+) -> Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None:
+    """The pool's pods (``--pool-name``: its selector and port rule over ``--selector``),
+    or the proxy's discovery."""
+    if args.pool_name is None:
+        return discovery_from_args(args)
+    from .pool import pool_discovery
 
-    configure_logging(args.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        logging.getLogger("tandem.picker").error("bad arguments: %s", exc)
-        return 2
-    asyncio.run(serve(settings, f"{args.host}:{args.port}"))
-    return 0
+    namespace = current_namespace(args.pool_namespace or args.namespace)
+    return pool_discovery(namespace, args.pool_name)

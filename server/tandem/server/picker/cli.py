@@ -5,11 +5,13 @@ flags locally, Kubernetes discovery in a cluster."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 
-from tandem.server.logsafe import add_log_level_argument
+from tandem.server.logsafe import add_log_level_argument, configure_logging
 from tandem.server.proxy.cli import (
     add_discovery_arguments,
     add_routing_arguments,
@@ -99,3 +101,17 @@ def _discovery(
 
     namespace = current_namespace(args.pool_namespace or args.namespace)
     return pool_discovery(namespace, args.pool_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    configure_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        logging.getLogger("tandem.picker").error("bad arguments: %s", exc)
+        return 2
+    asyncio.run(serve(settings, f"{args.host}:{args.port}"))
+    return 0

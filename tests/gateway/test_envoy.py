@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import http.server
+import threading
 import time
 
 import httpx
@@ -19,7 +21,7 @@ from tandem.server.picker.scrape import parse_metrics
 
 from ..proxy.utils import kill, metric_value, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until
-from .utils import gie_gateway, start_gateway
+from .utils import EnvoyProcess, gie_gateway, original_dst_gateway, start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -240,3 +242,45 @@ def test_with_no_engine_ready_the_client_gets_a_503(tmp_path) -> None:
         assert "endpoint picker stopped" in picker.log_path.read_text()
     finally:
         stop_all(started[::-1])
+
+
+def test_envoys_original_dst_takes_one_endpoint_not_a_fallback_list(tmp_path) -> None:
+    """Why ``--fallback-endpoints`` is off by default: GIE's protocol lets the picker name
+    ``ip:port,ip:port`` for a gateway to fall back down, but Envoy's ``ORIGINAL_DST`` cluster
+    (GIE's reference routing) takes one address: a list, even with the live engine first and
+    a retry policy, is an invalid host and a 503."""
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    live, dead = f"127.0.0.1:{upstream.server_port}", f"127.0.0.1:{free_port()}"
+    envoy = EnvoyProcess(original_dst_gateway, tmp_path)
+    try:
+        envoy.wait_ready()
+
+        def status(endpoints: str) -> int:
+            r = httpx.get(envoy.url + "/", headers={"x-gateway-destination-endpoint": endpoints})
+            return r.status_code
+
+        assert status(live) == 200
+        assert status(f"{live},{dead}") == status(f"{dead},{live}") == 503
+        stats = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/stats").text
+        assert _envoy_stat(stats, "cluster.pool.original_dst_host_invalid") == 2
+    finally:
+        stop_all([envoy])
+        upstream.shutdown()
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the handler's name
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _envoy_stat(stats: str, name: str) -> int:
+    """A counter from Envoy's admin ``/stats`` text (``name: value`` lines)."""
+    return next(
+        int(v) for n, _, v in (line.partition(": ") for line in stats.splitlines()) if n == name
+    )

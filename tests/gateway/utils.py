@@ -37,7 +37,9 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
-def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[str, Any]:
+def _listener(
+    port: int, routes_to: str, filters: list[dict[str, Any]], retry_on: str | None = None
+) -> dict[str, Any]:
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {
@@ -56,7 +58,15 @@ def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[
                     "routes": [
                         {
                             "match": {"prefix": "/"},
-                            "route": {"cluster": routes_to, "timeout": "300s"},
+                            "route": {
+                                "cluster": routes_to,
+                                "timeout": "300s",
+                                **(
+                                    {"retry_policy": {"retry_on": retry_on, "num_retries": 2}}
+                                    if retry_on
+                                    else {}
+                                ),
+                            },
                         }
                     ],
                 }
@@ -162,13 +172,6 @@ def gie_gateway(
     """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``; ``subset``: the
     gateway hints that only these ``ip:port`` endpoints may serve; ``response``: what it
     sends the picker of the response (``RESPONSE_MODES``)."""
-    pool = {
-        "name": "pool",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "2s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-    }
     return {
         "admin": {"address": _address(admin_port)},
         "static_resources": {
@@ -182,7 +185,30 @@ def gie_gateway(
                     ],
                 )
             ],
-            "clusters": [pool, _static_cluster("epp", picker_port, http2=True)],
+            "clusters": [_pool_cluster(), _static_cluster("epp", picker_port, http2=True)],
+        },
+    }
+
+
+def _pool_cluster() -> dict[str, Any]:
+    """Every route's cluster: it dials the ``ip:port`` the picker's header names."""
+    return {
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+
+
+def original_dst_gateway(port: int, admin_port: int) -> dict[str, Any]:
+    """The GIE gateway's routing without the picker: whatever the client's
+    ``x-gateway-destination-endpoint`` names, retried on a refused connection."""
+    return {
+        "admin": {"address": _address(admin_port)},
+        "static_resources": {
+            "listeners": [_listener(port, "pool", [], retry_on="connect-failure,reset")],
+            "clusters": [_pool_cluster()],
         },
     }
 

@@ -253,3 +253,32 @@ def test_the_response_phases_pass_through_and_a_pick_counts_until_the_engines_sc
     assert picker.load(chosen) == 1
     picker.scraped(chosen.url, started=time.monotonic())
     assert picker.load(chosen) == 0
+
+
+def test_a_5xx_reprobes_the_engine_the_gateway_says_served() -> None:
+    """Protocol v1.0: with fallbacks the gateway names the endpoint that answered
+    (``envoy.lb`` / ``x-gateway-destination-endpoint-served``); that one is re-probed."""
+    picker = Picker(_registry(), PickerConfig(fallbacks=2))
+    probed: list[list[str]] = []
+    picker.suspect = probed.append
+
+    def answered(status: bytes, served: str | None) -> str:
+        headers = ext_proc.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=status)]
+            )
+        )
+        message = ext_proc.ProcessingRequest(response_headers=headers)
+        if served is not None:
+            meta = struct_pb2.Struct()
+            meta.update({"x-gateway-destination-endpoint-served": served})
+            message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(meta)
+        (routed, _, _) = _run(picker, [*_messages(BODY), message])
+        return _set(routed)["x-gateway-destination-endpoint"]
+
+    assert len(answered(b"503", "10.0.0.2:8000").split(",")) == 3
+    assert probed == [["http://10.0.0.2:8000"]]
+    chosen = answered(b"503", None).split(",")[0]  # the gateway does not say: the chosen one
+    assert probed[-1] == ["http://" + chosen]
+    answered(b"200", "10.0.0.3:8000")
+    assert len(probed) == 2

@@ -199,11 +199,17 @@ class Picker:
         self.sessions.forget_node(node.url)
         self._released.pop(node.url, None)
 
-    def answered(self, route: Route, status: int) -> None:
+    def answered(self, route: Route, status: int, served: str | None = None) -> None:
         """The gateway's answer from the engine: a 502/503/504 (the engine refused the
-        connection, died, or is not ready) has it probed at once, not at the next poll."""
-        if status in UNAVAILABLE:
-            self.suspect([route.node.url])
+        connection, died, or is not ready) has it probed at once, not at the next poll.
+        ``served``: the ``ip:port`` the gateway says answered (protocol v1.0, for a gateway
+        that fell back down the list), when it says; else the chosen engine."""
+        if status not in UNAVAILABLE:
+            return
+        url = route.node.url
+        if served and served != route.endpoint:
+            url = next((n.url for n in self.registry.nodes() if endpoint_of(n.url) == served), url)
+        self.suspect([url])
 
     def _allowed(
         self, roles: frozenset[str], model: str | None, subset: frozenset[str] | None

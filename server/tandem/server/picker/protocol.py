@@ -24,6 +24,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Headers only the picker may set: a client's copy is overwritten or removed on every request.
 PICKER_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_SIGNATURE_HEADER)
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -46,6 +47,16 @@ def subset_hint(request: ext_proc.ProcessingRequest) -> frozenset[str] | None:
     if value.HasField("list_value"):
         return frozenset(v.string_value for v in value.list_value.values if v.string_value)
     return frozenset(e.strip() for e in value.string_value.split(",") if e.strip())
+
+
+def served_endpoint(request: ext_proc.ProcessingRequest) -> str | None:
+    """The endpoint the gateway says served the response
+    (``metadata_context.filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]``),
+    or None when it does not say."""
+    namespace = request.metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
+    if namespace is None or SERVED_KEY not in namespace.fields:
+        return None
+    return namespace.fields[SERVED_KEY].string_value or None
 
 
 def routed(

@@ -88,7 +88,8 @@ class _Exchange:
         if which == "response_headers":
             status = protocol.header_map(message.response_headers).get(":status", "")
             if self.route is not None and status.isdigit():
-                self.picker.answered(self.route, int(status))
+                served = protocol.served_endpoint(message)
+                self.picker.answered(self.route, int(status), served)
             self.close(answered=True)
             return [protocol.response_headers_passed()]
         if which == "response_body":

@@ -4,13 +4,18 @@ endpoint) and through the same Envoy with a static route to the same engine, in 
 
 One tiny-model engine serves every gateway; requests rotate between them, sequentially,
 each over a kept-alive connection, so drift on this shared machine hits every side alike.
-Besides the picker (``gie``) and the static route (``static``), two references: ``gie-skip``,
-the picker without the response-header round trip, and ``floor``, the same Envoy asking a
-do-nothing Python ``ext_proc`` server (fixed endpoint, no parsing, no scoring): what any
-Python picker costs here, so ``gie`` minus ``floor`` is the picker's own share.
-Two request kinds: ``POST /tokenize`` (the engine's own time is a fraction of a millisecond,
-so the gateway's share shows) and ``POST /v1/completions`` with one output token. Prints each
-side's p50/p99 and the picker's added latency (the difference; goal <= 1 ms at p50).
+The picker is measured under each response mode a gateway may configure
+(``tests/gateway/utils.RESPONSE_MODES``): ``gie-none`` (the exchange ends with the request's
+body: one round trip to the picker per request), ``gie-headers`` (the response's headers
+too: a second round trip, before the client sees them) and ``gie-streamed`` (headers, body
+chunks and trailers through the picker, as GIE's and llm-d's reference Envoy configurations
+send them). Besides the static route (``static``), one reference: ``floor``, the same Envoy
+(mode none) asking a do-nothing Python ``ext_proc`` server (fixed endpoint, no parsing, no
+scoring): what one exchange with any Python gRPC server costs here, so ``gie-none`` minus
+``floor`` is the picker's own share. Two request kinds: ``POST /tokenize`` (the engine's own
+time is a fraction of a millisecond, so the gateway's share shows) and ``POST
+/v1/completions`` with one output token. Prints each side's p50/p99 and the added latency
+over the static route (goal <= 1 ms at p50).
 
     python bench/epp.py [--requests 400]
 """
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import functools
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.server.net import free_port  # noqa: E402
 from tandem.server.picker import protocol  # noqa: E402
 from tests.gateway.utils import (  # noqa: E402
+    RESPONSE_MODES,
     EnvoyProcess,
     PickerProcess,
     gie_gateway,
@@ -67,8 +74,6 @@ class _FixedEndpoint(ext_proc_grpc.ExternalProcessorServicer):
                 if m.request_body.end_of_stream:
                     yield protocol.routed(self.endpoint, len(body))
                     yield protocol.body_passed(body)
-            elif which == "response_headers":
-                yield protocol.response_headers_passed()
 
 
 def serve_floor(endpoint: str, port: int) -> None:
@@ -94,8 +99,8 @@ def measure(gateways: dict[str, str], path: str, body: dict, n: int) -> dict[str
     clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in gateways.items()}
     times: dict[str, list[float]] = {name: [] for name in gateways}
     names = list(gateways)
-    for name in names:  # warm each connection and the engine
-        for _ in range(10):
+    for name in names:  # warm each connection, the engine and each picker's code paths
+        for _ in range(30):
             clients[name].post(path, json=body).raise_for_status()
     for i in range(n):
         for name in names[i % len(names) :] + names[: i % len(names)]:  # each goes first in turn
@@ -110,14 +115,14 @@ def measure(gateways: dict[str, str], path: str, body: dict, n: int) -> dict[str
 def report(kind: str, times: dict[str, list[float]]) -> None:
     for name, values in times.items():
         print(
-            f"{kind:10s} {name:9s} p50 {percentile(values, 0.5):7.3f} ms   "
+            f"{kind:10s} {name:12s} p50 {percentile(values, 0.5):7.3f} ms   "
             f"p99 {percentile(values, 0.99):7.3f} ms   (n={len(values)})"
         )
-    for name, base in [(n, "static") for n in times if n != "static"] + [("gie", "floor")]:
+    for name, base in [(n, "static") for n in times if n != "static"] + [("gie-none", "floor")]:
         gie, ref = times[name], times[base]
         pairs = [g - r for g, r in zip(gie, ref)]
         print(
-            f"{kind:10s} {name:9s} over {base:6s} p50 "
+            f"{kind:10s} {name:12s} over {base:6s} p50 "
             f"{percentile(gie, 0.5) - percentile(ref, 0.5):+.3f} ms, p99 "
             f"{percentile(gie, 0.99) - percentile(ref, 0.99):+.3f} ms; median of paired "
             f"differences {statistics.median(pairs):+.3f} ms; ratio of p50s "
@@ -144,20 +149,23 @@ def main() -> None:
         )
         floor.start()
         gateways = {
-            "gie": EnvoyProcess(gie_gateway, work, picker.port),
-            # the same without sending response headers to the picker: one round trip less
-            "gie-skip": EnvoyProcess(
-                functools.partial(gie_gateway, response_headers=False), work, picker.port
-            ),
-            "floor": EnvoyProcess(gie_gateway, work, floor_port),
-            "static": EnvoyProcess(static_gateway, work, engine.port),
+            f"gie-{mode}": EnvoyProcess(
+                functools.partial(gie_gateway, response=mode), work, picker.port
+            )
+            for mode in RESPONSE_MODES
         }
+        gateways["floor"] = EnvoyProcess(
+            functools.partial(gie_gateway, response="none"), work, floor_port
+        )
+        gateways["static"] = EnvoyProcess(static_gateway, work, engine.port)
         started += gateways.values()
         for g in gateways.values():
             g.wait_ready()
         urls = {name: g.url for name, g in gateways.items()}
         for kind, (path, body) in KINDS.items():
+            print(f"load average before {kind}: {os.getloadavg()}")
             report(kind, measure(urls, path, body, args.requests))
+        print(f"load average after: {os.getloadavg()} ({os.cpu_count()} cores)")
     finally:
         for p in reversed(started):
             p.stop()

@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from e2e.cluster import Cluster, wait_for
+from e2e.utils import _account_kubeconfig
 from tandem.operator.render.manifests import render
 from tandem.operator.spec.inference_service import load_inference_service
 from tandem.operator.spec.roles import GPU_RESOURCE
@@ -132,36 +132,6 @@ class Env:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _proxy_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
-    """The admin kubeconfig's cluster with the proxy ServiceAccount's token."""
-    token = cluster.kubectl(
-        "create", "token", account, "-n", namespace, "--duration=1h"
-    ).stdout.strip()
-    entry = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [entry],
-                "users": [{"name": "proxy", "user": {"token": token}}],
-                "contexts": [
-                    {
-                        "name": "proxy",
-                        "context": {
-                            "cluster": entry["name"],
-                            "user": "proxy",
-                            "namespace": namespace,
-                        },
-                    }
-                ],
-                "current-context": "proxy",
-            }
-        )
-    )
-    return path
-
-
 @pytest.fixture(scope="module")
 def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     namespace = f"e2e-proxy-{uuid.uuid4().hex[:6]}"
@@ -226,7 +196,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             ],
         )
 
-        kubeconfig = _proxy_kubeconfig(
+        kubeconfig = _account_kubeconfig(
             cluster, namespace, f"{NAME}-proxy", workdir / "proxy.kubeconfig"
         )
         port = free_port()

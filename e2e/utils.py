@@ -38,6 +38,37 @@ def _apply(
     return cluster.kubectl("apply", *extra, "-f", "-", input=json.dumps(obj), check=check)
 
 
+def _account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """The admin kubeconfig's cluster with ``account``'s token: a process run with it may
+    do what that ServiceAccount's Role allows, nothing more."""
+    token = cluster.kubectl(
+        "create", "token", account, "-n", namespace, "--duration=1h"
+    ).stdout.strip()
+    entry = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [entry],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": account,
+                        "context": {
+                            "cluster": entry["name"],
+                            "user": account,
+                            "namespace": namespace,
+                        },
+                    }
+                ],
+                "current-context": account,
+            }
+        )
+    )
+    return path
+
+
 def _get(cluster: Cluster, kind: str, name: str, namespace: str) -> dict[str, Any]:
     return cluster.kubectl_json("get", kind, name, "-n", namespace)
 

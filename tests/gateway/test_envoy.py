@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import http.server
+import threading
 import time
 
 import httpx
@@ -19,7 +21,7 @@ from tandem.server.picker.scrape import parse_metrics
 
 from ..proxy.utils import kill, metric_value, stop_all
 from ..utils import ENGINE_FLAGS, ServerProcess, wait_until
-from .utils import gie_gateway, start_gateway
+from .utils import EnvoyProcess, gie_gateway, original_dst_gateway, start_gateway
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -88,9 +90,10 @@ def test_the_engines_speak_the_model_server_protocol(gateway) -> None:
     assert read.num_blocks == int(info.labels["num_gpu_blocks"]) and 0.0 <= read.kv_usage <= 1.0
 
 
-def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:
-    _, engines = gateway
-    direct = openai.OpenAI(base_url=engines[0].url + "/v1", api_key="unused", max_retries=0)
+def _answers_match_one_engine(client: openai.OpenAI, engine: ServerProcess) -> None:
+    """Chat, a streamed completion and a bodiless GET through the gateway: the engine's own
+    answers, token for token."""
+    direct = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Name a prime number."}]
     want = direct.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0
@@ -111,25 +114,9 @@ def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client
     assert [m.id for m in client.models.list()] == [MODEL]  # a bodiless GET is routed too
 
 
-def test_an_unknown_model_is_a_404_in_openais_shape(client) -> None:
-    with pytest.raises(openai.NotFoundError) as err:
-        client.completions.create(model="nope", prompt="hi", max_tokens=2)
-    assert err.value.body["code"] == "model_not_found"
-
-
-def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> None:
-    _, engines = gateway
-    before = _served(engines)
-    for i in range(6):
-        client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}:", max_tokens=4)
-    counts = sorted(_delta(before, _served(engines)))
-    assert counts == [0, 0, 6]
-
-
-def test_load_spreads_when_queues_grow(gateway, client) -> None:
+def _burst_spreads(client: openai.OpenAI, engines: list[ServerProcess]) -> None:
     """Twelve requests at once on one prefix: affinity is worth about four queued requests,
     so the first engine's queue sends the rest elsewhere."""
-    _, engines = gateway
     before = _served(engines)
 
     def one(i: int) -> None:
@@ -146,6 +133,51 @@ def test_load_spreads_when_queues_grow(gateway, client) -> None:
     assert sum(counts) == 12
     assert sum(1 for c in counts if c) >= 2, counts
     assert max(counts) <= 9, counts
+
+
+def test_the_openai_client_gets_the_engines_answer_through_envoy(gateway, client) -> None:
+    _, engines = gateway
+    _answers_match_one_engine(client, engines[0])
+
+
+@pytest.mark.parametrize("response", ["none", "streamed"])
+def test_each_response_mode_a_gateway_may_configure(gateway, tmp_path, response: str) -> None:
+    """The response's phases are the gateway's choice: none (the exchange ends with the
+    request's body: each pick counts as load until the engine's next scrape shows it) or
+    all of them, the body streamed through the picker as GIE's reference gateways do. Both
+    give the engine's answers, streamed ones included, and spread a burst."""
+    _, engines = gateway
+    nodes = [a for e in engines for a in ("--node", e.url)]
+    flags = ["--health-interval", "0.3", "--metrics-interval", "0.2"]
+    started: list = []
+    try:
+        config = functools.partial(gie_gateway, response=response)
+        envoy = start_gateway(started, tmp_path, *nodes, *flags, config=config)
+        c = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0)
+        _answers_match_one_engine(c, engines[0])
+        _burst_spreads(c, engines)
+    finally:
+        stop_all(started[::-1])
+
+
+def test_an_unknown_model_is_a_404_in_openais_shape(client) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_requests_sharing_a_long_prefix_land_on_one_engine(gateway, client) -> None:
+    _, engines = gateway
+    before = _served(engines)
+    for i in range(6):
+        client.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}:", max_tokens=4)
+    counts = sorted(_delta(before, _served(engines)))
+    assert counts == [0, 0, 6]
+
+
+def test_load_spreads_when_queues_grow(gateway, client) -> None:
+    _, engines = gateway
+    _burst_spreads(client, engines)
 
 
 def test_the_gateways_subset_hint_through_envoy(gateway, tmp_path) -> None:
@@ -210,3 +242,45 @@ def test_with_no_engine_ready_the_client_gets_a_503(tmp_path) -> None:
         assert "endpoint picker stopped" in picker.log_path.read_text()
     finally:
         stop_all(started[::-1])
+
+
+def test_envoys_original_dst_takes_one_endpoint_not_a_fallback_list(tmp_path) -> None:
+    """Why ``--fallback-endpoints`` is off by default: GIE's protocol lets the picker name
+    ``ip:port,ip:port`` for a gateway to fall back down, but Envoy's ``ORIGINAL_DST`` cluster
+    (GIE's reference routing) takes one address: a list, even with the live engine first and
+    a retry policy, is an invalid host and a 503."""
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    live, dead = f"127.0.0.1:{upstream.server_port}", f"127.0.0.1:{free_port()}"
+    envoy = EnvoyProcess(original_dst_gateway, tmp_path)
+    try:
+        envoy.wait_ready()
+
+        def status(endpoints: str) -> int:
+            r = httpx.get(envoy.url + "/", headers={"x-gateway-destination-endpoint": endpoints})
+            return r.status_code
+
+        assert status(live) == 200
+        assert status(f"{live},{dead}") == status(f"{dead},{live}") == 503
+        stats = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/stats").text
+        assert _envoy_stat(stats, "cluster.pool.original_dst_host_invalid") == 2
+    finally:
+        stop_all([envoy])
+        upstream.shutdown()
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the handler's name
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _envoy_stat(stats: str, name: str) -> int:
+    """A counter from Envoy's admin ``/stats`` text (``name: value`` lines)."""
+    return next(
+        int(v) for n, _, v in (line.partition(": ") for line in stats.splitlines()) if n == name
+    )

@@ -191,3 +191,94 @@ def test_the_health_services_serve(service: str) -> None:
                 return reply.status
 
     assert asyncio.run(check()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_fallback_endpoints_follow_the_chosen_one_best_first_in_header_and_metadata() -> None:
+    """GIE protocol v0.4: ``ip:port,ip:port,...``, one value in both places. The engine
+    holding the prompt's prefix comes first, then the less loaded of the others."""
+    registry = _registry()
+    picker = Picker(registry, PickerConfig(fallbacks=2))
+    (headers, _) = _run(picker, _messages(BODY))
+    first = _set(headers)["x-gateway-destination-endpoint"].split(",")[0]
+    for node in registry.nodes():  # the holder busy, yet affinity keeps it first
+        node.pending = {first: 2, "10.0.0.2:8000": 3}.get(node.url.removeprefix("http://"), 0)
+    (headers, _) = _run(picker, _messages(BODY))
+    listed = _set(headers)["x-gateway-destination-endpoint"]
+    others = [u.removeprefix("http://") for u in ENGINES if not u.endswith(first)]
+    assert listed.split(",") == [first, *sorted(others, key=lambda e: e == "10.0.0.2:8000")]
+    meta = headers.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert meta["x-gateway-destination-endpoint"].string_value == listed
+    (headers, _) = _run(Picker(registry, PickerConfig()), _messages(BODY))
+    assert "," not in _set(headers)["x-gateway-destination-endpoint"]  # the default: one
+
+
+def test_the_response_phases_pass_through_and_a_pick_counts_until_the_engines_scrape() -> None:
+    """A gateway streaming the response through the picker (GIE's reference configuration)
+    gets every chunk back unchanged; one sending no response phase ends the exchange after
+    the request's body, and the pick then counts as load until a later scrape shows it."""
+    picker = Picker(_registry(), PickerConfig())
+    status = ext_proc.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    )
+    chunks = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+    response = [
+        ext_proc.ProcessingRequest(response_headers=status),
+        *(
+            ext_proc.ProcessingRequest(
+                response_body=ext_proc.HttpBody(body=c, end_of_stream=i == len(chunks) - 1)
+            )
+            for i, c in enumerate(chunks)
+        ),
+        ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers()),
+    ]
+    replies = _run(picker, _messages(BODY) + response)
+    assert [r.WhichOneof("response") for r in replies] == [
+        "request_headers",
+        "request_body",
+        "response_headers",
+        "response_body",
+        "response_body",
+        "response_trailers",
+    ]
+    streamed = [r.response_body.response.body_mutation.streamed_response for r in replies[3:5]]
+    assert [s.body for s in streamed] == chunks and streamed[-1].end_of_stream
+    nodes = picker.registry.nodes()
+    assert [picker.load(n) for n in nodes] == [0, 0, 0]  # answered: nothing held
+    (headers, _) = _run(picker, _messages(BODY))  # no response phase
+    chosen = next(
+        n for n in nodes if n.url.endswith(_set(headers)["x-gateway-destination-endpoint"])
+    )
+    assert chosen.inflight == 0 and picker.load(chosen) == 1
+    picker.scraped(chosen.url, started=time.monotonic() - 60)  # begun before the pick
+    assert picker.load(chosen) == 1
+    picker.scraped(chosen.url, started=time.monotonic())
+    assert picker.load(chosen) == 0
+
+
+def test_a_5xx_reprobes_the_engine_the_gateway_says_served() -> None:
+    """Protocol v1.0: with fallbacks the gateway names the endpoint that answered
+    (``envoy.lb`` / ``x-gateway-destination-endpoint-served``); that one is re-probed."""
+    picker = Picker(_registry(), PickerConfig(fallbacks=2))
+    probed: list[list[str]] = []
+    picker.suspect = probed.append
+
+    def answered(status: bytes, served: str | None) -> str:
+        headers = ext_proc.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=status)]
+            )
+        )
+        message = ext_proc.ProcessingRequest(response_headers=headers)
+        if served is not None:
+            meta = struct_pb2.Struct()
+            meta.update({"x-gateway-destination-endpoint-served": served})
+            message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(meta)
+        (routed, _, _) = _run(picker, [*_messages(BODY), message])
+        return _set(routed)["x-gateway-destination-endpoint"]
+
+    assert len(answered(b"503", "10.0.0.2:8000").split(",")) == 3
+    assert probed == [["http://10.0.0.2:8000"]]
+    chosen = answered(b"503", None).split(",")[0]  # the gateway does not say: the chosen one
+    assert probed[-1] == ["http://" + chosen]
+    answered(b"200", "10.0.0.3:8000")
+    assert len(probed) == 2

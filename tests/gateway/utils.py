@@ -37,7 +37,9 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
-def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[str, Any]:
+def _listener(
+    port: int, routes_to: str, filters: list[dict[str, Any]], retry_on: str | None = None
+) -> dict[str, Any]:
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": {
@@ -56,7 +58,15 @@ def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[
                     "routes": [
                         {
                             "match": {"prefix": "/"},
-                            "route": {"cluster": routes_to, "timeout": "300s"},
+                            "route": {
+                                "cluster": routes_to,
+                                "timeout": "300s",
+                                **(
+                                    {"retry_policy": {"retry_on": retry_on, "num_retries": 2}}
+                                    if retry_on
+                                    else {}
+                                ),
+                            },
                         }
                     ],
                 }
@@ -80,10 +90,25 @@ def _listener(port: int, routes_to: str, filters: list[dict[str, Any]]) -> dict[
     }
 
 
-def _ext_proc(cluster: str, response_headers: bool = True) -> dict[str, Any]:
-    """GIE's filter: request headers and body (full duplex) to the picker, response headers
-    too (the picker learns how its engine answered; ``response_headers`` False skips that
-    round trip); response bodies pass untouched."""
+# What the gateway sends the picker of the engine's response (``processing_mode``):
+# "none": nothing, the exchange ends with the request's body (one round trip per request);
+# "headers": the response's headers (one more round trip, before the client sees them);
+# "streamed": headers, body (full duplex) and trailers, as GIE's and llm-d's reference Envoy
+# configurations send them.
+RESPONSE_MODES = {
+    "none": {"response_header_mode": "SKIP", "response_body_mode": "NONE"},
+    "headers": {"response_header_mode": "SEND", "response_body_mode": "NONE"},
+    "streamed": {
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_trailer_mode": "SEND",
+    },
+}
+
+
+def _ext_proc(cluster: str, response: str = "headers") -> dict[str, Any]:
+    """GIE's filter: request headers and body (full duplex) to the picker, and what
+    ``RESPONSE_MODES[response]`` says of the response."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -97,9 +122,8 @@ def _ext_proc(cluster: str, response_headers: bool = True) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "request_trailer_mode": "SEND",
-                "response_header_mode": "SEND" if response_headers else "SKIP",
-                "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
+                **RESPONSE_MODES[response],
             },
         },
     }
@@ -143,17 +167,11 @@ def gie_gateway(
     picker_port: int,
     admin_port: int,
     subset: list[str] | None = None,
-    response_headers: bool = True,
+    response: str = "headers",
 ) -> dict[str, Any]:
     """Envoy as a GIE gateway in front of ``tandem epp`` on ``picker_port``; ``subset``: the
-    gateway hints that only these ``ip:port`` endpoints may serve."""
-    pool = {
-        "name": "pool",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "2s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-    }
+    gateway hints that only these ``ip:port`` endpoints may serve; ``response``: what it
+    sends the picker of the response (``RESPONSE_MODES``)."""
     return {
         "admin": {"address": _address(admin_port)},
         "static_resources": {
@@ -163,11 +181,34 @@ def gie_gateway(
                     "pool",
                     [
                         *([_subset_hint(subset)] if subset else []),
-                        _ext_proc("epp", response_headers),
+                        _ext_proc("epp", response),
                     ],
                 )
             ],
-            "clusters": [pool, _static_cluster("epp", picker_port, http2=True)],
+            "clusters": [_pool_cluster(), _static_cluster("epp", picker_port, http2=True)],
+        },
+    }
+
+
+def _pool_cluster() -> dict[str, Any]:
+    """Every route's cluster: it dials the ``ip:port`` the picker's header names."""
+    return {
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+
+
+def original_dst_gateway(port: int, admin_port: int) -> dict[str, Any]:
+    """The GIE gateway's routing without the picker: whatever the client's
+    ``x-gateway-destination-endpoint`` names, retried on a refused connection."""
+    return {
+        "admin": {"address": _address(admin_port)},
+        "static_resources": {
+            "listeners": [_listener(port, "pool", [], retry_on="connect-failure,reset")],
+            "clusters": [_pool_cluster()],
         },
     }
 

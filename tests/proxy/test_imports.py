@@ -25,7 +25,7 @@ HEAVY = (
 SCRIPT = """
 import json, sys
 import tandem.server.proxy.app, tandem.server.proxy.cli
-import tandem.server.picker.server, tandem.server.picker.cli
+import tandem.server.picker.server, tandem.server.picker.cli, tandem.server.picker.pool
 from tandem.server.cli import build_parser
 build_parser(only="proxy")  # what `tandem proxy --help` imports
 build_parser(only="epp")  # and `tandem epp --help`

@@ -278,7 +278,8 @@ def picker_role(isvc: InferenceService, selector: str) -> RolePlan:
     """The front door behind a GIE gateway: ``tandem epp`` finding the engines by
     ``selector``, as the proxy would (role ``proxy``: it is the pool's front door, and its
     readiness is the InferenceService's ``ProxyReady``)."""
-    return _front_door(isvc, "epp", "epp", PICKER_PORT, selector, "kubernetes")
+    pool = ("--pool-name", isvc.metadata.name)  # the InferencePool's selector and port rule
+    return _front_door(isvc, "epp", "epp", PICKER_PORT, selector, "kubernetes", pool)
 
 
 def _front_door(
@@ -288,6 +289,7 @@ def _front_door(
     port: int,
     selector: str,
     discovery: Literal["kubernetes", "static"],
+    extra: tuple[str, ...] = (),
 ) -> RolePlan:
     """A front door's pool (``spec.proxy``'s replicas, policy and extra flags): ``tandem
     <program>`` discovering the engines by ``selector`` in a cluster."""
@@ -301,6 +303,7 @@ def _front_door(
             isvc.metadata.namespace,
             "--selector",
             selector,
+            *extra,
         ]
     if proxy.routing_policy:
         args += ["--routing-policy", proxy.routing_policy]

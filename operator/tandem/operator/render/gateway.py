@@ -2,8 +2,8 @@
 Pure.
 
 An ``InferencePool`` selecting the engine pods, whose endpoint picker is ``tandem epp``
-(its Deployment, Service and the proxy's discovery RBAC: it watches pods as the proxy
-does), and, when ``spec.gateway.httpRoute`` asks, an ``HTTPRoute`` from those Gateways to
+(its Deployment, Service and the proxy's discovery RBAC plus reading the pool: it takes
+the pool's selector and port from the pool and watches its pods as the proxy does), and, when ``spec.gateway.httpRoute`` asks, an ``HTTPRoute`` from those Gateways to
 the pool. A GIE gateway then routes clients to the engines directly.
 """
 
@@ -34,8 +34,20 @@ def gateway_objects(
     """The picker's RBAC, Deployment, Service and disruption budget, the InferencePool, and
     the HTTPRoute when asked."""
     name = pool_name(topology, role)
+    account, rbac_role, binding = proxy_rbac(isvc, topology, name)
+    # the picker reads its InferencePool (``--pool-name``): that one object, read only
+    rbac_role["rules"].append(
+        {
+            "apiGroups": [POOL_API_VERSION.partition("/")[0]],
+            "resources": ["inferencepools"],
+            "resourceNames": [topology.name],
+            "verbs": ["get"],
+        }
+    )
     out = [
-        *proxy_rbac(isvc, topology, name),
+        account,
+        rbac_role,
+        binding,
         picker_deployment(isvc, topology, role, options),
         picker_service(isvc, topology, role),
         pod_disruption_budget(isvc, topology, role),

@@ -24,6 +24,9 @@ from tandem.server.wire.trust import prefiller_signature
 
 KINDS = {path: kind for kind, path in PATHS.items()}
 UNAVAILABLE = frozenset({502, 503, 504})
+# a released pick no scrape has shown counts as load this long at most (an engine whose
+# /metrics does not answer)
+UNSCRAPED_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class PickerConfig:
     shed_queue: int | None = None
     # signs the prefill endpoint named to a decode engine (the engines' internal credential)
     internal_key: str | None = None
+    # up to this many further endpoints after the chosen one, best first, for a gateway that
+    # falls back down the list (GIE protocol v0.4); 0: one endpoint (Envoy's ORIGINAL_DST
+    # refuses a list: docs/gateway.md)
+    fallbacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,12 @@ class Route:
     node: Node
     endpoint: str
     prefiller: tuple[str, str] | None = None  # (ip:port, signature)
+    fallbacks: tuple[str, ...] = ()  # further ``ip:port``, best first
+
+    @property
+    def endpoints(self) -> str:
+        """The protocol's value for header and metadata: ``ip:port[,ip:port...]``."""
+        return ",".join((self.endpoint, *self.fallbacks))
 
 
 @dataclass(frozen=True)
@@ -62,12 +75,13 @@ def endpoint_of(url: str) -> str:
     return urllib.parse.urlsplit(url).netloc
 
 
-def engine_load(node: Node) -> int:
-    """A node's load as the picker knows it. The gateway ends the picker's exchange when the
-    engine's response headers arrive, so ``inflight`` covers a request from its pick to its
-    first byte; the engine's scraped queue and running count (``scrape.py``) cover the rest.
-    A request is counted twice between the engine admitting it and the next scrape."""
-    return node.inflight + node.pending + node.active
+def engine_load(node: Node, unscraped: int = 0) -> int:
+    """A node's load as the picker knows it: the engine's scraped queue and running count
+    (``scrape.py``), the requests picked for it and not yet answered (``inflight``), and
+    ``unscraped``: those whose exchange ended before any answer (a gateway that sends the
+    picker no response phase ends it with the request's body) and that no scrape has shown
+    yet. A request is counted twice between the engine admitting it and the next scrape."""
+    return node.inflight + node.pending + node.active + unscraped
 
 
 def session_of(request: dict[str, Any], caller: str) -> str | None:
@@ -102,9 +116,11 @@ class Picker:
         self.sessions = routing.SessionTable()
         self._turn = routing.round_robin_counter()
         self._clock = clock
+        # per engine url: when each pick whose exchange has ended was released (monotonic)
+        self._released: dict[str, list[float]] = {}
         # Probe these engines now (the server wires the health poller's ``reprobe``).
         self.suspect: Callable[[list[str]], None] = lambda urls: None
-        registry.on_remove(lambda n: (self.prefix.forget(n.url), self.sessions.forget_node(n.url)))
+        registry.on_remove(self._forget)
 
     def choose(
         self, path: str, body: bytes, subset: frozenset[str] | None, caller: str = ""
@@ -132,8 +148,8 @@ class Picker:
         prompt_tokens = routing.estimate_tokens(kind, request, text)
         prefillers = self._allowed(PREFILL_ROLES, model, subset)
         plan = routing.plan(
-            routing.candidates(decoders, self.prefix, chunks, engine_load),
-            routing.candidates(prefillers, self.prefix, chunks, engine_load),
+            routing.candidates(decoders, self.prefix, chunks, self.load),
+            routing.candidates(prefillers, self.prefix, chunks, self.load),
             prompt_tokens,
             policy=self.config.policy,
             turn=next(self._turn),
@@ -142,6 +158,7 @@ class Picker:
         )
         assert plan is not None
         node = next(n for n in decoders if n.url == plan.decode.url)
+        fallbacks = () if plan.prefill else self._fallbacks(decoders, node, chunks, prompt_tokens)
         node.inflight += 1
         self.prefix.record(node.url, chunks)
         if session:
@@ -150,23 +167,71 @@ class Picker:
         if plan.prefill is not None:
             self.prefix.record(plan.prefill.url, chunks)
             prefiller = self._signed(endpoint_of(plan.prefill.url))
-        return Route(node, endpoint_of(node.url), prefiller)
+        return Route(node, endpoint_of(node.url), prefiller, fallbacks)
 
-    def release(self, route: Route) -> None:
-        """The request's exchange with the gateway ended: it no longer counts as load."""
+    def release(self, route: Route, answered: bool) -> None:
+        """The request stopped holding the in-flight count: the engine's answer began
+        (``answered``: the gateway sent the response's headers; an answer has begun or
+        ended, and the engine's own gauges cover what is left), or the exchange ended before
+        (a gateway that sends no response phase ends it with the request's body): then the
+        request counts as load until a scrape begun after now shows it (``scraped``)."""
         route.node.inflight = max(0, route.node.inflight - 1)
+        if not answered:
+            self._released.setdefault(route.node.url, []).append(time.monotonic())
 
-    def answered(self, route: Route, status: int) -> None:
+    def scraped(self, url: str, started: float) -> None:
+        """A scrape of ``url`` begun at ``started`` (monotonic) answered: the engine's own
+        queue and running count now include what was released before then; forget those.
+        An engine that is never scraped keeps them for ``UNSCRAPED_SECONDS`` at most."""
+        released = self._released.get(url)
+        if released:
+            horizon = max(started, time.monotonic() - UNSCRAPED_SECONDS)
+            released[:] = [t for t in released if t >= horizon]
+
+    def load(self, node: Node) -> int:
+        """``engine_load`` with the picks released there and not yet scraped."""
+        released = self._released.get(node.url, ())
+        horizon = time.monotonic() - UNSCRAPED_SECONDS
+        return engine_load(node, sum(1 for t in released if t >= horizon))
+
+    def _forget(self, node: Node) -> None:
+        self.prefix.forget(node.url)
+        self.sessions.forget_node(node.url)
+        self._released.pop(node.url, None)
+
+    def answered(self, route: Route, status: int, served: str | None = None) -> None:
         """The gateway's answer from the engine: a 502/503/504 (the engine refused the
-        connection, died, or is not ready) has it probed at once, not at the next poll."""
-        if status in UNAVAILABLE:
-            self.suspect([route.node.url])
+        connection, died, or is not ready) has it probed at once, not at the next poll.
+        ``served``: the ``ip:port`` the gateway says answered (protocol v1.0, for a gateway
+        that fell back down the list), when it says; else the chosen engine."""
+        if status not in UNAVAILABLE:
+            return
+        url = route.node.url
+        if served and served != route.endpoint:
+            url = next((n.url for n in self.registry.nodes() if endpoint_of(n.url) == served), url)
+        self.suspect([url])
 
     def _allowed(
         self, roles: frozenset[str], model: str | None, subset: frozenset[str] | None
     ) -> list[Node]:
         nodes = self.registry.routable(roles, model)
         return nodes if subset is None else [n for n in nodes if endpoint_of(n.url) in subset]
+
+    def _fallbacks(
+        self, decoders: list[Node], chosen: Node, chunks: list[bytes], prompt_tokens: int
+    ) -> tuple[str, ...]:
+        """The next best engines after ``chosen`` (by the same scorer), for a gateway that
+        falls back down the list when the first does not answer. None for prefill -> decode:
+        the prefill engine is paired with its decode engine's KV layout."""
+        others = [n for n in decoders if n is not chosen]
+        rest = routing.candidates(others, self.prefix, chunks, self.load)
+        ordered: list[str] = []
+        while rest and len(ordered) < self.config.fallbacks:
+            best = routing.pick(rest, prompt_tokens, self.config.policy, next(self._turn))
+            assert best is not None
+            rest.remove(best)
+            ordered.append(endpoint_of(best.url))
+        return tuple(ordered)
 
     def _signed(self, host_port: str) -> tuple[str, str]:
         key = self.config.internal_key

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import Callable
 
 from tandem.server.logsafe import add_log_level_argument, configure_logging
 from tandem.server.proxy.cli import (
     add_discovery_arguments,
     add_routing_arguments,
+    current_namespace,
     discovery_from_args,
 )
+from tandem.server.proxy.registry import Registry
 from tandem.server.wire.auth import add_credential_arguments, credentials_from_args
 
 from .choice import PickerConfig
@@ -31,12 +35,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_credential_arguments(parser, "TANDEM_EPP_API_KEY")
     parser.set_defaults(api_key=None)  # the gateway authenticates clients; the picker has none
     add_discovery_arguments(parser)
+    parser.add_argument(
+        "--pool-name",
+        default=None,
+        help="find the engines from this InferencePool (its selector and target port), as "
+        "GIE's picker does (its selector rules over --selector)",
+    )
+    parser.add_argument(
+        "--pool-namespace",
+        default=None,
+        help="the pool's namespace (default: --namespace, else this pod's)",
+    )
     add_routing_arguments(parser)
     parser.add_argument(
         "--shed-queue",
         type=int,
         default=None,
         help="answer 429 when every engine that could serve a request has this many waiting",
+    )
+    parser.add_argument(
+        "--fallback-endpoints",
+        type=int,
+        default=0,
+        help="name up to this many further engines after the chosen one, best first, for a "
+        "gateway that falls back down the list (0: one; Envoy's ORIGINAL_DST takes only one)",
     )
     parser.add_argument(
         "--health-interval", type=float, default=2.0, help="seconds between /health polls"
@@ -56,6 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         policy=args.policy,
         disagg_threshold=args.disagg_threshold,
         shed_queue=args.shed_queue,
+        fallbacks=args.fallback_endpoints,
         internal_key=credentials.internal_key,
     )
     return PickerSettings(
@@ -63,8 +86,21 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         static_nodes=tuple(parse_node_flag(v) for v in args.node),
         health_interval=args.health_interval,
         metrics_interval=args.metrics_interval,
-        discovery=discovery_from_args(args),
+        discovery=_discovery(args),
     )
+
+
+def _discovery(
+    args: argparse.Namespace,
+) -> Callable[[Registry], contextlib.AbstractAsyncContextManager[None]] | None:
+    """The pool's pods (``--pool-name``: its selector and port rule over ``--selector``),
+    or the proxy's discovery."""
+    if args.pool_name is None:
+        return discovery_from_args(args)
+    from .pool import pool_discovery
+
+    namespace = current_namespace(args.pool_namespace or args.namespace)
+    return pool_discovery(namespace, args.pool_name)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Headers only the picker may set: a client's copy is overwritten or removed on every request.
 PICKER_HEADERS = (DESTINATION_HEADER, PREFILLER_HEADER, PREFILLER_SIGNATURE_HEADER)
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -48,11 +49,22 @@ def subset_hint(request: ext_proc.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(e.strip() for e in value.string_value.split(",") if e.strip())
 
 
+def served_endpoint(request: ext_proc.ProcessingRequest) -> str | None:
+    """The endpoint the gateway says served the response
+    (``metadata_context.filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]``),
+    or None when it does not say."""
+    namespace = request.metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
+    if namespace is None or SERVED_KEY not in namespace.fields:
+        return None
+    return namespace.fields[SERVED_KEY].string_value or None
+
+
 def routed(
     endpoint: str, body_length: int | None, prefiller: tuple[str, str] | None = None
 ) -> ext_proc.ProcessingResponse:
-    """The answer to the request's headers: the endpoint in the header and the metadata (one
-    value), the route cache cleared so the gateway routes on it, and the P/D headers set
+    """The answer to the request's headers: the endpoint (``ip:port``, or a list
+    ``ip:port,ip:port`` best first for a gateway that falls back) in the header and the
+    metadata (one value), the route cache cleared so the gateway routes on it, and the P/D headers set
     (``prefiller``: the prefill endpoint and its signature) or removed."""
     sets = {DESTINATION_HEADER: endpoint}
     if body_length is not None:
@@ -81,20 +93,23 @@ def routed(
     )
 
 
-def body_passed(body: bytes, end_of_stream: bool = True) -> ext_proc.ProcessingResponse:
-    """In full-duplex streaming the picker hands the body back to the gateway; unchanged."""
+def body_passed(
+    body: bytes, end_of_stream: bool = True, phase: str = "request_body"
+) -> ext_proc.ProcessingResponse:
+    """In full-duplex streaming the picker hands each body chunk back to the gateway,
+    unchanged: the request's (``phase`` ``request_body``) and, when the gateway streams the
+    response through the picker too as GIE's reference gateways do, the response's
+    (``response_body``)."""
     streamed = ext_proc.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    mutation = ext_proc.BodyMutation(streamed_response=streamed)
     return ext_proc.ProcessingResponse(
-        request_body=ext_proc.BodyResponse(
-            response=ext_proc.CommonResponse(
-                body_mutation=ext_proc.BodyMutation(streamed_response=streamed)
-            )
-        )
+        **{phase: ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=mutation))}
     )
 
 
-def trailers_passed() -> ext_proc.ProcessingResponse:
-    return ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
+def trailers_passed(phase: str = "request_trailers") -> ext_proc.ProcessingResponse:
+    """Trailers (``request_trailers`` or ``response_trailers``) pass unchanged."""
+    return ext_proc.ProcessingResponse(**{phase: ext_proc.TrailersResponse()})
 
 
 def response_headers_passed() -> ext_proc.ProcessingResponse:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -64,14 +66,23 @@ def _int(value: str | None) -> int | None:
 
 
 class MetricsScraper:
-    """Scrapes every node's ``/metrics`` each ``interval`` seconds, all nodes at once."""
+    """Scrapes every node's ``/metrics`` each ``interval`` seconds, all nodes at once;
+    ``on_scraped(url, started)`` after each reading lands (``started``: monotonic)."""
 
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, interval: float) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        interval: float,
+        on_scraped: Callable[[str, float], None] = lambda url, started: None,
+    ) -> None:
         self.registry = registry
         self.client = client
         self.interval = interval
+        self.on_scraped = on_scraped
 
     async def scrape(self, url: str) -> None:
+        started = time.monotonic()
         try:
             r = await self.client.get(url + "/metrics", timeout=max(1.0, self.interval * 2))
             r.raise_for_status()
@@ -86,6 +97,7 @@ class MetricsScraper:
         node.active = node.active if m.running is None else m.running
         node.kv_usage = m.kv_usage
         node.total_blocks = m.num_blocks if m.num_blocks is not None else node.total_blocks
+        self.on_scraped(url, started)
 
     async def scrape_once(self) -> None:
         nodes = [n.url for n in self.registry.nodes() if n.healthy]

@@ -64,7 +64,7 @@ async def running_picker(settings: PickerSettings, address: str) -> AsyncIterato
         poller = HealthPoller(
             registry, client, interval=settings.health_interval, secret=settings.config.internal_key
         )
-        scraper = MetricsScraper(registry, client, settings.metrics_interval)
+        scraper = MetricsScraper(registry, client, settings.metrics_interval, picker.scraped)
         picker.suspect = poller.reprobe
         if settings.discovery is not None:
             await stack.enter_async_context(settings.discovery(registry))

@@ -4,8 +4,11 @@ In full-duplex streaming the gateway sends the request's headers, then its body 
 the picker buffers the body (the prompt decides the engine), and at its end answers the
 headers (the endpoint, ``protocol.routed``) and then the body, unchanged, as the protocol
 orders: headers, body, trailers. A bodiless request (``GET /v1/models``) is answered on its
-headers. The exchange lives as long as the gateway's request; when it ends the request stops
-counting as load on its engine.
+headers. The response's phases are the gateway's choice (its ``processing_mode``; the picker
+cannot skip them itself: Envoy ignores ``mode_override`` in full-duplex mode): each is
+answered at once, the body passed back chunk by chunk. When the response's headers arrive
+the request stops holding the picker's in-flight count; when the exchange ends before (no
+response phase configured), it counts until the engine's next scrape (``Picker.release``).
 """
 
 from __future__ import annotations
@@ -73,11 +76,27 @@ class _Exchange:
         if which == "request_trailers":
             decided = [] if self.route else self._decide(len(self.body)) + self._body(False)
             return decided + [protocol.trailers_passed()]
+        return self._on_response(message, which)
+
+    def _on_response(
+        self, message: ext_proc.ProcessingRequest, which: str | None
+    ) -> list[ext_proc.ProcessingResponse]:
+        """The response's phases, for gateways that send them: the headers tell how the
+        engine answered (and end the request's hold on the picker's in-flight count); the
+        body (full duplex, as GIE's reference gateways stream it) and trailers pass as
+        they are, chunk by chunk, so a streamed answer is not held back."""
         if which == "response_headers":
             status = protocol.header_map(message.response_headers).get(":status", "")
             if self.route is not None and status.isdigit():
-                self.picker.answered(self.route, int(status))
+                served = protocol.served_endpoint(message)
+                self.picker.answered(self.route, int(status), served)
+            self.close(answered=True)
             return [protocol.response_headers_passed()]
+        if which == "response_body":
+            chunk = message.response_body
+            return [protocol.body_passed(chunk.body, chunk.end_of_stream, "response_body")]
+        if which == "response_trailers":
+            return [protocol.trailers_passed("response_trailers")]
         return []
 
     def _decide(self, body_length: int | None) -> list[ext_proc.ProcessingResponse]:
@@ -89,7 +108,7 @@ class _Exchange:
                 protocol.refused(outcome.status, outcome.message, outcome.code, outcome.retry_after)
             ]
         self.route = outcome
-        return [protocol.routed(outcome.endpoint, body_length, outcome.prefiller)]
+        return [protocol.routed(outcome.endpoints, body_length, outcome.prefiller)]
 
     def _body(self, end_of_stream: bool) -> list[ext_proc.ProcessingResponse]:
         if self.refused:
@@ -97,8 +116,9 @@ class _Exchange:
         body, self.body = bytes(self.body), bytearray()
         return [protocol.body_passed(body, end_of_stream)]
 
-    def close(self) -> None:
+    def close(self, answered: bool = False) -> None:
+        """The request no longer holds the in-flight count (``Picker.release``); once."""
         if self.route is not None:
             log.debug("request to %s ended", self.route.endpoint)
-            self.picker.release(self.route)
+            self.picker.release(self.route, answered)
             self.route = None

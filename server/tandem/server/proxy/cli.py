@@ -133,7 +133,8 @@ def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _namespace(given: str | None) -> str:
+def current_namespace(given: str | None) -> str:
+    """``given``, else this pod's namespace, else ``default``."""
     if given:
         return given
     try:
@@ -152,7 +153,7 @@ def discovery_from_args(
         return None
     from .discovery import kubernetes_discovery
 
-    return kubernetes_discovery(_namespace(args.namespace), args.selector)
+    return kubernetes_discovery(current_namespace(args.namespace), args.selector)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,15 +36,20 @@ def parse_node_flag(value: str) -> tuple[str, str]:
     return normalize_url(url), parse_role(role)
 
 
-def pod_node(pod: dict[str, Any]) -> tuple[str, str, list[str] | None] | None:
+def pod_node(
+    pod: dict[str, Any], port: int | None = None, default_role: str | None = None
+) -> tuple[str, str, list[str] | None] | None:
     """(url, role, models) for a pod that should be a node, or None.
 
-    ``pod`` is the pod's JSON (camelCase keys, as the API server sends it).
+    ``pod`` is the pod's JSON (camelCase keys, as the API server sends it); ``port``: the
+    engine's port when the caller knows it (an InferencePool's target port), else the
+    container port named ``http`` or 8000; ``default_role``: the role of a pod without the
+    role label (a pool's pods are engines whatever their labels), else such a pod is none.
     """
     meta = pod.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return None
-    role = (meta.get("labels") or {}).get(ROLE_LABEL)
+    role = (meta.get("labels") or {}).get(ROLE_LABEL) or default_role
     status = pod.get("status") or {}
     ip = status.get("podIP")
     if not role or not ip or status.get("phase") not in (None, "Running"):
@@ -62,11 +67,12 @@ def pod_node(pod: dict[str, Any]) -> tuple[str, str, list[str] | None] | None:
             "pod %s has an invalid %s label %r; ignored", meta.get("name"), ROLE_LABEL, role
         )
         return None
-    port = DEFAULT_ENGINE_PORT
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for p in container.get("ports") or []:
-            if p.get("name") == "http" and p.get("containerPort"):
-                port = int(p["containerPort"])
+    if port is None:
+        port = DEFAULT_ENGINE_PORT
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            for p in container.get("ports") or []:
+                if p.get("name") == "http" and p.get("containerPort"):
+                    port = int(p["containerPort"])
     host = f"[{ip}]" if ":" in ip else ip
     model = (meta.get("annotations") or {}).get(MODEL_ANNOTATION)
     return f"http://{host}:{port}", role_name, [model] if model else None
@@ -81,12 +87,16 @@ class PodTracker:
     So a node is removed only when no tracked pod still maps to its URL.
     """
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(
+        self, registry: Registry, port: int | None = None, default_role: str | None = None
+    ) -> None:
         self.registry = registry
+        self.port = port  # ``pod_node``'s: an InferencePool's target port (it may change)
+        self.default_role = default_role
         self._by_pod: dict[str, str] = {}  # pod uid (or namespace/name) -> node url
 
     def apply(self, event_type: str, pod: dict[str, Any]) -> None:
-        node = None if event_type == "DELETED" else pod_node(pod)
+        node = None if event_type == "DELETED" else pod_node(pod, self.port, self.default_role)
         key = _pod_key(pod)
         old = self._by_pod.get(key)
         if old is not None and (node is None or node[0] != old):

@@ -10,7 +10,9 @@ each the same prompts: ``short`` is 128 tokens in / 128 out, ``long`` 1,024 in /
 ``2 * concurrency`` requests (at least 4) per row, every prompt distinct so no prefix cache
 helps. Neither side stops at EOS: Tandem gets ``ignore_eos``, llama.cpp (which has no such
 field) an EOS logit bias of -100. Output tok/s counts the tokens generated over the row's wall
-time; TTFT is the time to the first streamed text. No assertion: figures to read.
+time; TTFT is the time to the first streamed text. llama.cpp's server runs one request at a
+time, the others queued (``--interrupt_requests False``: by default a new request cuts the
+running one short). No assertion: figures to read.
 """
 
 from __future__ import annotations
@@ -97,8 +99,12 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+            probe = json.dumps({"model": SERVED, "prompt": "Hi", "max_tokens": 1}).encode()
+            request = urllib.request.Request(
+                self.url + "/v1/completions", probe, {"Content-Type": "application/json"}
+            )
+            try:  # a completion, not a listing: Tandem answers /v1/models while it loads
+                with urllib.request.urlopen(request, timeout=30) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -122,6 +128,7 @@ def start(name: str, gguf: Path, threads: int, work: Path, llama: Path | None) -
     else:
         cmd = [str(llama), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", SERVED]
         cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096"]
+        cmd += ["--interrupt_requests", "False"]  # queue a request that arrives mid-stream
     server = Server(
         name, cmd + ["--host", "127.0.0.1", "--port", str(port)], port, work / f"{name}.log"
     )

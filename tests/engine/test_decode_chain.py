@@ -93,3 +93,18 @@ def test_dequantized_weights_keep_the_modules(tiny_models, tmp_path) -> None:
     write_gguf(tiny_models["llama"], path, encoder(Q.Q4_1))
     llm = LLM(str(path), kv_cache_tokens=2048, quantized_weights="off")
     assert llm.engine.worker.runner._chain is None
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_chain_is_dropped_on_sleep_and_built_again_on_wake(
+    tiny_models, tmp_path, level
+) -> None:
+    """It points at the KV cache and the weights: both move across a sleep."""
+    llm = _engine(tiny_models, tmp_path, "llama", Q.Q4_1, "float32")
+    runner = llm.engine.worker.runner
+    want = _generate(llm, PROMPTS)
+    llm.engine.sleep(level)
+    assert runner._chain is None
+    llm.engine.wake_up()
+    assert runner._chain is not None
+    assert _generate(llm, PROMPTS) == want

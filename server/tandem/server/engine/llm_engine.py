@@ -38,6 +38,7 @@ from .sampler import RowError, SamplerOutput, sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
+from .spec_decode.cost import step_cost
 from .spec_decode.speculator import Speculator
 from .stats import EngineStats, Totals
 from .stopping import check_stop
@@ -82,7 +83,11 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_method == "ngram":
             self.speculator = Speculator(
-                config.num_speculative_tokens, self.kv, self.max_model_len, self.totals
+                config.num_speculative_tokens,
+                self.kv,
+                self.max_model_len,
+                self.totals,
+                step_cost(self.worker.runner.model),
             )
             self.scheduler.propose = self.speculator.propose
 

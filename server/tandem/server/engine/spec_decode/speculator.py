@@ -33,6 +33,7 @@ from ..kv_cache_manager import KVCacheManager
 from ..request import Request
 from ..sampler import SamplerOutput, sample
 from ..stats import Totals
+from .cost import StepCost
 from .ngram import propose_ngram
 
 TakeSamples = Callable[[list[Request], SamplerOutput], None]
@@ -49,29 +50,40 @@ class Speculator:
         kv: KVCacheManager,
         max_model_len: int,
         totals: Totals,
+        cost: StepCost,
         proposer: Proposer = propose_ngram,
     ) -> None:
         self.most = most
+        self.cost = cost
         self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.totals = totals
         totals.spec_accepted_per_position = [0] * most
 
-    def propose(self, req: Request, budget: int) -> list[int]:
-        """Tokens to verify after ``req``'s last one this step (at most ``budget``): never
-        past its ``max_tokens`` or the context, and only what its grammar allows."""
+    def propose(self, requests: list[Request], rows: int, budget: int) -> list[list[int]]:
+        """Tokens to verify after each decoding request's last one this step (at most
+        ``budget`` in all, in a step of ``rows`` rows so far): as many as the step's cost model
+        finds worth their rows, never past a request's ``max_tokens`` or the context, and only
+        what its grammar allows."""
+        caps = [min(self._most_for(req), budget) for req in requests]
+        acceptance = [req.sampling.draft.acceptance for req in requests]
+        proposals = []
+        for req, k in zip(requests, self.cost.plan(rows, caps, acceptance)):
+            draft = _grammar_allows(req, self.proposer(req.all_token_ids, k)[:budget]) if k else []
+            budget -= len(draft)
+            proposals.append(draft)
+        return proposals
+
+    def _most_for(self, req: Request) -> int:
+        """The most tokens ``req`` may propose now (0 while it backs off after misses)."""
         left = min(
-            budget,
             req.sampling.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens - 1,
         )
         if left <= 0 or req.pooling is not None:
-            return []
-        k = min(req.sampling.draft.next_length(self.most), left)
-        if k <= 0:
-            return []
-        return _grammar_allows(req, self.proposer(req.all_token_ids, k))
+            return 0
+        return min(req.sampling.draft.next_length(self.most), left)
 
     def verify(self, logits: torch.Tensor, requests: list[Request], take: TakeSamples) -> None:
         """Sample each request's rows in rounds (see the module's docstring); ``take`` appends

@@ -1,0 +1,73 @@
+"""How many tokens a step should verify: a step's cost as a function of its rows, against the
+tokens each proposed row is expected to return.
+
+A decode step costs ``1`` (one row) plus ``row_cost`` for each further row while the step
+stays on one code path. Where a step is bound by reading the weights (a GPU, or float32 on a
+CPU) a further row is nearly free; where it is bound by compute (a GGUF model's Q4_1 blocks
+on a CPU, ``models.layers.QUANT_ROWS`` rows at most) one costs about a quarter of a one-row
+step, and past ``max_rows`` the step falls onto the dequantized weights, several times the
+bytes read. So speculation only adds rows while they pay: the ``j``-th proposed token of a
+request whose tokens are each accepted with probability ``a`` returns ``a ** j`` tokens on
+average, and a row is worth adding while that is more than the step's current cost per
+expected token times ``row_cost`` (adding it raises tokens / cost). A step whose other rows
+already exceed ``max_rows`` gets no proposals at all, so speculation never slows a full batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..models.layers import QUANT_ROWS
+
+# Measured on the default model (Q4_1 SmolLM2-135M, 2 threads, docs/performance.md): 5 rows
+# through the quantized GEMV took about twice one row's step.
+QUANTIZED_ROW_COST = 0.25
+# A weight-read-bound step: verifying a few more rows costs little beside the weights' read.
+BANDWIDTH_ROW_COST = 0.05
+
+
+@dataclass(frozen=True)
+class StepCost:
+    row_cost: float  # a further row's cost, in one-row steps
+    max_rows: int | None = None  # the most rows a step may hold with proposals (None: any)
+
+    def plan(self, rows: int, caps: list[int], acceptance: list[float]) -> list[int]:
+        """How many tokens each request should propose (at most ``caps[i]``, its tokens each
+        accepted with probability ``acceptance[i]``) in a step of ``rows`` other rows.
+
+        Each request with a cap gets its first row while there is room, whatever it is worth:
+        an estimate only moves by proposing (a request that keeps missing is held back by its
+        own backoff, ``Draft.skip``). Further rows go to the best next token first."""
+        room = rows + sum(caps) if self.max_rows is None else self.max_rows - rows
+        lengths = [0] * len(caps)
+        heap: list[tuple[float, int]] = []
+        for i, cap in enumerate(caps):
+            if cap > 0 and room > 0:
+                lengths[i], room = 1, room - 1
+                heap.append((-(acceptance[i] ** 2), i))
+        tokens = rows + sum(a for a, n in zip(acceptance, lengths) if n)
+        cost = 1 + self.row_cost * (rows + sum(lengths) - 1)
+        heapq.heapify(heap)
+        while heap and room > 0:
+            neg_gain, i = heapq.heappop(heap)
+            if lengths[i] >= caps[i]:
+                continue
+            gain = -neg_gain
+            if gain * cost <= self.row_cost * tokens:
+                break  # the best row left would lower tokens / cost
+            lengths[i], room = lengths[i] + 1, room - 1
+            tokens, cost = tokens + gain, cost + self.row_cost
+            heapq.heappush(heap, (-gain * acceptance[i], i))
+        return lengths
+
+
+def step_cost(model: nn.Module) -> StepCost:
+    """The cost model for ``model`` as loaded: compute-bound rows up to ``QUANT_ROWS`` when its
+    linears multiply a GGUF file's blocks, weight-read-bound rows otherwise."""
+    quantized = any(getattr(m, "quantized", None) is not None for m in model.modules())
+    if quantized:
+        return StepCost(QUANTIZED_ROW_COST, QUANT_ROWS)
+    return StepCost(BANDWIDTH_ROW_COST)

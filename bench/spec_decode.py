@@ -243,20 +243,32 @@ def report(side: str, workload: str, c: int, row: dict) -> str:
 
 def run_side(
     python: str, side: str, model: str, workloads: list[str], conc: list[int], args
-) -> list[str]:
+) -> dict[tuple[str, int], dict]:
+    """Every (workload, concurrency) row of one engine, printed as it lands."""
     off = Child(python, side, model, False, args.tokens)
     on = Child(python, side, model, True, args.tokens)
-    lines = []
+    rows = {}
     try:
         for w in workloads:
             for c in conc:
-                line = report(side, w, c, compare(off, on, w, c, args.repeats))
-                print(line, f"(load {vs_vllm.load()})", flush=True)
-                lines.append(line)
+                rows[w, c] = compare(off, on, w, c, args.repeats)
+                print(report(side, w, c, rows[w, c]), f"(load {vs_vllm.load()})", flush=True)
     finally:
         off.close()
         on.close()
-    return lines
+    return rows
+
+
+def versus(ours: dict, theirs: dict) -> list[str]:
+    """Tandem against vLLM on the rows both ran: each side's tok/s with speculation, and the
+    ratio of the two engines' speculation gains."""
+    return [
+        f"edit    c={c:<3d} tok/s with n-gram: tandem {ours[w, c]['tok_s'][1]:7.1f}  vllm "
+        f"{row['tok_s'][1]:7.1f}  tandem/vllm {ours[w, c]['tok_s'][1] / row['tok_s'][1]:5.2f}x;"
+        f"  speculation's gain: tandem {ours[w, c]['ratio']:5.2f}x  vllm {row['ratio']:5.2f}x"
+        for (w, c), row in theirs.items()
+        if (w, c) in ours
+    ]
 
 
 def main() -> None:
@@ -284,16 +296,21 @@ def main() -> None:
     print(f"threads per engine: {vs_vllm.THREADS}; ratios: with / without speculation")
     from tandem.server.engine.default_model import default_model_path
 
-    lines = run_side(sys.executable, "tandem", str(default_model_path()), workloads, conc, args)
+    print(f"load average at start: {vs_vllm.load()}")
+    ours = run_side(sys.executable, "tandem", str(default_model_path()), workloads, conc, args)
+    theirs: dict = {}
     if not args.no_vllm and "edit" in workloads:
         try:
             peer = str(vllm_peer.build_peer())
             hf = str(vllm_peer.smollm2_dir())
-            lines += run_side(peer, "vllm", hf, ["edit"], conc, args)
+            theirs = run_side(peer, "vllm", hf, ["edit"], conc, args)
         except (vllm_peer.PeerUnavailable, RuntimeError) as exc:
             print(f"vLLM skipped: {exc}")
-    print("summary:")
-    for line in lines:
+    print("summary (ratios: with / without speculation):")
+    for side, rows in (("tandem", ours), ("vllm", theirs)):
+        for (w, c), row in rows.items():
+            print(" ", report(side, w, c, row))
+    for line in versus(ours, theirs):
         print(" ", line)
     print(f"load average at end: {vs_vllm.load()}")
 

@@ -52,6 +52,8 @@ class Scheduler:
         # one, given them, the step's rows so far and the budget left (at most that many in
         # all; spec_decode/speculator.py); None decodes one a step.
         self.propose: Callable[[list[Request], int, int], list[list[int]]] | None = None
+        # Called with each request that ends (a draft model frees its own blocks for it).
+        self.on_finish: Callable[[Request], None] | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -198,3 +200,5 @@ class Scheduler:
         for sibling in req.pending_siblings:
             sibling.status = status
         req.pending_siblings = []
+        if self.on_finish is not None:
+            self.on_finish(req)

@@ -34,14 +34,18 @@ class StepCost:
     row_cost: float  # a further row's cost, in one-row steps
     max_rows: int | None = None  # the most rows a step may hold with proposals (None: any)
 
-    def plan(self, rows: int, caps: list[int], acceptance: list[float]) -> list[int]:
+    def plan(
+        self, rows: int, caps: list[int], acceptance: list[float], budget: int | None = None
+    ) -> list[int]:
         """How many tokens each request should propose (at most ``caps[i]``, its tokens each
-        accepted with probability ``acceptance[i]``) in a step of ``rows`` other rows.
+        accepted with probability ``acceptance[i]``, ``budget`` in all) in a step of ``rows``
+        other rows.
 
         Each request with a cap gets its first row while there is room, whatever it is worth:
         an estimate only moves by proposing (a request that keeps missing is held back by its
         own backoff, ``Draft.skip``). Further rows go to the best next token first."""
-        room = rows + sum(caps) if self.max_rows is None else self.max_rows - rows
+        room = sum(caps) if self.max_rows is None else self.max_rows - rows
+        room = room if budget is None else min(room, budget)
         lengths = [0] * len(caps)
         heap: list[tuple[float, int]] = []
         for i, cap in enumerate(caps):

@@ -34,6 +34,7 @@ from ..request import Request
 from ..sampler import SamplerOutput, sample
 from ..stats import Totals
 from .cost import StepCost
+from .draft_model import DraftModel
 from .ngram import propose_ngram
 
 TakeSamples = Callable[[list[Request], SamplerOutput], None]
@@ -42,7 +43,8 @@ Proposer = Callable[[list[int], int], list[int]]
 
 
 class Speculator:
-    """n-gram speculation for one engine: ``propose`` (the scheduler's hook) and ``verify``."""
+    """Speculation for one engine (n-gram lookup, or a draft model): ``propose`` (the
+    scheduler's hook), ``verify`` and ``release``."""
 
     def __init__(
         self,
@@ -51,10 +53,12 @@ class Speculator:
         max_model_len: int,
         totals: Totals,
         cost: StepCost,
+        draft_model: DraftModel | None = None,
         proposer: Proposer = propose_ngram,
     ) -> None:
         self.most = most
         self.cost = cost
+        self.draft_model = draft_model  # proposes in place of the n-gram lookup when given
         self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
@@ -66,14 +70,21 @@ class Speculator:
         ``budget`` in all, in a step of ``rows`` rows so far): as many as the step's cost model
         finds worth their rows, never past a request's ``max_tokens`` or the context, and only
         what its grammar allows."""
-        caps = [min(self._most_for(req), budget) for req in requests]
+        caps = [self._most_for(req) for req in requests]
         acceptance = [req.sampling.draft.acceptance for req in requests]
-        proposals = []
-        for req, k in zip(requests, self.cost.plan(rows, caps, acceptance)):
-            draft = _grammar_allows(req, self.proposer(req.all_token_ids, k)[:budget]) if k else []
-            budget -= len(draft)
-            proposals.append(draft)
-        return proposals
+        lengths = self.cost.plan(rows, caps, acceptance, budget)
+        if self.draft_model is not None:
+            proposals = self.draft_model.propose(requests, lengths)
+        else:
+            proposals = [
+                self.proposer(r.all_token_ids, k) if k else [] for r, k in zip(requests, lengths)
+            ]
+        return [_grammar_allows(r, p) for r, p in zip(requests, proposals)]
+
+    def release(self, req: Request) -> None:
+        """A request ended: the draft model's blocks for it go back."""
+        if self.draft_model is not None:
+            self.draft_model.release(req)
 
     def _most_for(self, req: Request) -> int:
         """The most tokens ``req`` may propose now (0 while it backs off after misses)."""

@@ -19,8 +19,14 @@ from tandem.server.engine.config import ConfigError, EngineConfig
 from tandem.server.engine.spec_decode.layer_draft import make_layer_draft
 from tandem.server.engine.tiny_model import TinyModelSpec, make_tiny_model
 
-from .test_spec_decode import GREEDY, NEW_TOKENS, _assert_matches, arch_case  # noqa: F401
-from .utils import PROMPTS, drain
+from .test_spec_decode import (  # noqa: F401
+    GREEDY,
+    NEW_TOKENS,
+    _assert_matches,
+    abort_at_every_stage,
+    arch_case,
+)
+from .utils import PROMPTS
 
 
 def draft_llm(model_dir: Path, draft: Path, **kw: object) -> LLM:
@@ -91,16 +97,7 @@ def test_seeded_sampling_with_a_draft_draws_the_same_tokens(tiny_models: dict[st
 def test_aborts_mid_speculation_free_the_drafts_blocks(tiny_models: dict[str, Path]) -> None:
     llama = tiny_models["llama"]
     engine = draft_llm(llama, llama, kv_cache_tokens=2048).engine
-    tok = engine.tokenizer
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", tok.encode(p), GREEDY)
-    engine.add_request("s", tok.encode(PROMPTS[1]), GREEDY, session_id="sess")
-    for step in range(12):
-        engine.step()
-        engine.abort_request(f"r{step}")  # one each step, at every stage of its proposals
-    assert engine.stats().spec_num_accepted_tokens > 0
-    drain(engine)
-    assert engine.delete_session("sess")
+    abort_at_every_stage(engine, [engine.tokenizer.encode(p) for p in PROMPTS])
     check_no_leaks(engine)
 
 

@@ -288,17 +288,22 @@ def test_aborts_mid_speculation_leak_no_blocks(llama: Path) -> None:
     ids = [tok.encode(p) for p in PROMPTS]
     ref = LLM(str(llama), kv_cache_tokens=16384).generate(ids, GREEDY)
     llm = spec_llm(llama, Oracle(ids, [o.token_ids for o in ref]), kv_cache_tokens=2048)
-    engine = llm.engine
+    abort_at_every_stage(llm.engine, ids)
+    llm.engine.kv.pool.check_all_free()
+
+
+def abort_at_every_stage(engine: LLMEngine, ids: list[list[int]]) -> None:
+    """Run ``ids`` (and a session's turn) aborting one request each step, at every stage of
+    its proposals, then drain and end the session."""
     for i, p in enumerate(ids):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.add_request("s", ids[1], GREEDY, session_id="sess")
     for step in range(12):
         engine.step()
-        engine.abort_request(f"r{step}")  # one each step, at every stage of its proposals
+        engine.abort_request(f"r{step}")
     assert engine.stats().spec_num_accepted_tokens > 0
     drain(engine)
     assert engine.delete_session("sess")
-    engine.kv.pool.check_all_free()
 
 
 def test_session_turns_with_speculation_match(llama: Path) -> None:

@@ -10,6 +10,7 @@ its KV is kept in step: one stale position and its guesses would go wrong).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,15 @@ from .utils import PROMPTS
 
 
 def draft_llm(model_dir: Path, draft: Path, **kw: object) -> LLM:
+    """An engine speculating with ``draft``; its passes counted free, so proposals run long
+    (a tiny draft's embeddings weigh about what the target's whole weights do)."""
     args: dict = dict(kv_cache_tokens=16384, block_size=16)
     args.update(kw)
-    return LLM(str(model_dir), speculative_method="draft", speculative_model=str(draft), **args)
+    llm = LLM(str(model_dir), speculative_method="draft", speculative_model=str(draft), **args)
+    spec = llm.engine.speculator
+    assert 0 < spec.cost.pass_cost <= 1  # the draft's weights against the target's
+    spec.cost = replace(spec.cost, pass_cost=0.0)
+    return llm
 
 
 def check_no_leaks(engine: LLMEngine) -> None:

@@ -408,6 +408,11 @@ def test_the_cost_model_adds_rows_only_while_they_pay() -> None:
     cheap = StepCost(0.05)  # weight-read bound: no cap on rows
     assert cheap.plan(16, [4] * 16, [0.9] * 16) == [3] * 16
     assert cheap.plan(1, [4], [0.9]) == [4]
+    # A draft model's pass costs a third of a step: its deeper positions must pay for it.
+    drafted = StepCost(0.05, pass_cost=0.35)
+    assert drafted.plan(1, [4], [0.5]) == [1]  # the probe; a second pass would not pay
+    assert drafted.plan(1, [4], [0.9]) == [4]
+    assert drafted.plan(8, [4] * 8, [0.9] * 8) == [3] * 8  # each pass serves every request
 
 
 def test_acceptance_estimate_follows_recent_proposals() -> None:

@@ -87,15 +87,16 @@ class LLMEngine:
 
     def _speculator(self) -> Speculator:
         """Speculative decoding's proposer and verifier, hooked into the scheduler."""
-        draft = None
+        draft, cost = None, step_cost(self.worker.runner.model)
         if self.config.speculative_method == "draft":
             draft = DraftModel(self.config, self.model_config, self.device)
+            cost = dataclasses.replace(cost, pass_cost=draft.pass_cost)
         spec = Speculator(
             self.config.num_speculative_tokens,
             self.kv,
             self.max_model_len,
             self.totals,
-            step_cost(self.worker.runner.model),
+            cost,
             draft,
         )
         self.scheduler.propose, self.scheduler.on_finish = spec.propose, spec.release

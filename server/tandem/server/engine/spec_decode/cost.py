@@ -33,6 +33,9 @@ BANDWIDTH_ROW_COST = 0.05
 class StepCost:
     row_cost: float  # a further row's cost, in one-row steps
     max_rows: int | None = None  # the most rows a step may hold with proposals (None: any)
+    # A draft model's forward pass, in one-row steps of the target: one per proposed position
+    # (all requests' j-th tokens share it); 0 for a lookup.
+    pass_cost: float = 0.0
 
     def plan(
         self, rows: int, caps: list[int], acceptance: list[float], budget: int | None = None
@@ -47,24 +50,35 @@ class StepCost:
         room = sum(caps) if self.max_rows is None else self.max_rows - rows
         room = room if budget is None else min(room, budget)
         lengths = [0] * len(caps)
-        heap: list[tuple[float, int]] = []
         for i, cap in enumerate(caps):
             if cap > 0 and room > 0:
                 lengths[i], room = 1, room - 1
-                heap.append((-(acceptance[i] ** 2), i))
+        depth = max(lengths, default=0)
         tokens = rows + sum(a for a, n in zip(acceptance, lengths) if n)
-        cost = 1 + self.row_cost * (rows + sum(lengths) - 1)
+        cost = 1 + self.row_cost * (rows + sum(lengths) - 1) + self.pass_cost * depth
+        # (-gain, request, the token's index): the best next token first.
+        heap = [(-(acceptance[i] ** 2), i, 2) for i, n in enumerate(lengths) if n]
         heapq.heapify(heap)
         while heap and room > 0:
-            neg_gain, i = heapq.heappop(heap)
-            if lengths[i] >= caps[i]:
-                continue
-            gain = -neg_gain
-            if gain * cost <= self.row_cost * tokens:
-                break  # the best row left would lower tokens / cost
-            lengths[i], room = lengths[i] + 1, room - 1
-            tokens, cost = tokens + gain, cost + self.row_cost
-            heapq.heappush(heap, (-gain * acceptance[i], i))
+            neg_gain, i, n = heapq.heappop(heap)
+            if lengths[i] != n - 1 or n > caps[i]:
+                continue  # taken with its level already, or past the request's cap
+            if n > depth:
+                # A position no request reached yet takes a draft pass: it pays only for every
+                # request that can go that deep together.
+                level = [j for j, m in enumerate(lengths) if m == depth and caps[j] > depth]
+                level = level[:room]
+            else:
+                level = [i]
+            gains = [acceptance[j] ** n for j in level]
+            more = self.row_cost * len(level) + (self.pass_cost if n > depth else 0.0)
+            if sum(gains) * cost <= more * tokens:
+                break  # the best rows left would lower tokens / cost
+            for j, gain in zip(level, gains):
+                lengths[j] += 1
+                heapq.heappush(heap, (-gain * acceptance[j], j, n + 1))
+            room, depth = room - len(level), max(depth, n)
+            tokens, cost = tokens + sum(gains), cost + more
         return lengths
 
 

@@ -17,12 +17,13 @@ draft guesses; a good draft only makes more of them agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..block_pool import BlockPool
 from ..config import ConfigError, EngineConfig
-from ..loader import read_model_config
+from ..loader import checkpoint_files, read_model_config
 from ..model_runner import ModelRunner, StepInputs
 from ..models.config import ModelConfig
 from ..request import Request
@@ -55,6 +56,8 @@ class DraftModel:
             tensor_parallel_size=1,
         )
         self.runner = ModelRunner(cfg, draft, device)
+        # A pass's cost against a one-row step of the target: the weights' bytes each reads.
+        self.pass_cost = weights_bytes(path) / weights_bytes(config.model)
         self.block_size = cfg.block_size
         self.pool = BlockPool(self.runner.num_blocks, None)
         self._seqs: dict[str, _Sequence] = {}
@@ -129,3 +132,11 @@ class DraftModel:
             logits_rows,
         )
         return self.runner.run(inputs).argmax(dim=-1).tolist()
+
+
+def weights_bytes(model: str) -> int:
+    """The bytes of a model's weights as stored (a GGUF file, or an HF folder's safetensors)."""
+    path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in checkpoint_files(path))

@@ -1,5 +1,6 @@
 """Speculative decoding's gain, in one invocation: output tok/s and ITL with and without n-gram
-speculation at concurrency 1, 4 and 16, on two workloads, and the same on vLLM's CPU build.
+speculation at concurrency 1, 4 and 16, on two workloads, with a draft model (the target's
+first layers, ``tandem make-draft``), and n-gram on vLLM's CPU build, with Tandem against it.
 
 - ``edit``: chat requests asking SmolLM2-135M-Instruct to rewrite a given paragraph with its
   mistakes fixed (greedy, up to 160 tokens; the answer copies most of the paragraph, so prompt
@@ -18,8 +19,11 @@ averaged (tokens that arrive together share the time between arrivals). On a sha
 machine only the ratios of one invocation mean anything; the CPU-seconds ratio (each side's
 process tree, user + system) is printed beside the wall-clock one.
 
+The draft rows (``tandem+d``) run ``--speculative-method draft`` with the target's first
+``--draft-layers`` layers (Q4_1 blocks as the target's), made once under the bench cache.
+
     python bench/spec_decode.py [--repeats 2] [--concurrency 1,4,16] [--no-vllm]
-           [--threads N] [--tokens 4]
+           [--threads N] [--tokens 4] [--draft-layers 4] [--workloads edit,random]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import vllm_peer  # noqa: E402  (stdlib-only at import)
 import vs_vllm  # noqa: E402  (stdlib-only at import; the same file is both venvs' child)
 
 PARAGRAPHS = [
@@ -95,7 +100,7 @@ def wave(workload: str, c: int, tokenizer) -> tuple[list[list[int]], list[dict]]
 
 
 # ----- children: one engine each, driven over stdin/stdout ----------------------------------
-def child(side: str, model: str, spec: bool, tokens: int) -> None:
+def child(side: str, model: str, spec: str | None, tokens: int) -> None:
     run = (_tandem_child if side == "tandem" else _vllm_child)(model, spec, tokens)
     run("random", 2)  # warm-up
     print("READY", flush=True)
@@ -107,14 +112,17 @@ def child(side: str, model: str, spec: bool, tokens: int) -> None:
         print(json.dumps(out), flush=True)
 
 
-def _tandem_child(model: str, spec: bool, tokens: int):
+def _tandem_child(model: str, spec: str | None, tokens: int):
+    """``spec``: None, "ngram", or the path of a draft model."""
     from tandem.server.engine import LLM, SamplingParams
 
+    draft = spec if spec not in (None, "ngram") else None
     llm = LLM(
         model,
         kv_cache_tokens=65536,
         max_num_seqs=64,
-        speculative_method="ngram" if spec else None,
+        speculative_method="draft" if draft else spec,
+        speculative_model=draft,
         num_speculative_tokens=tokens,
     )
 
@@ -145,7 +153,7 @@ def _tandem_child(model: str, spec: bool, tokens: int):
     return run
 
 
-def _vllm_child(model: str, spec: bool, tokens: int):
+def _vllm_child(model: str, spec: str | None, tokens: int):
     from vllm import LLM, SamplingParams
 
     speculative = {
@@ -180,15 +188,15 @@ def _vllm_child(model: str, spec: bool, tokens: int):
 class Child:
     """One engine (with or without speculation) in its own process."""
 
-    def __init__(self, python: str, side: str, model: str, spec: bool, tokens: int) -> None:
+    def __init__(self, python: str, side: str, model: str, spec: str | None, tokens: int) -> None:
         cmd = [python, "-P", __file__, "--child", side, "--model", model, "--tokens", str(tokens)]
-        cmd += ["--spec"] if spec else []
+        cmd += ["--spec", spec] if spec else []
         env = vs_vllm.side_env(side)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
-        self.name = f"{side}{' +ngram' if spec else ''}"
+        self.name = f"{side}{' +' + ('ngram' if spec == 'ngram' else 'draft') if spec else ''}"
         for line in self.proc.stdout:
             if line.strip() == "READY":
                 return
@@ -242,27 +250,53 @@ def report(side: str, workload: str, c: int, row: dict) -> str:
 
 
 def run_side(
-    python: str, side: str, model: str, workloads: list[str], conc: list[int], args
-) -> list[str]:
-    off = Child(python, side, model, False, args.tokens)
-    on = Child(python, side, model, True, args.tokens)
-    lines = []
+    python: str, side: str, model: str, workloads: list[str], conc: list[int], args, spec: str
+) -> dict[tuple[str, int], dict]:
+    """Every (workload, concurrency) row of one engine with and without ``spec`` ("ngram" or
+    a draft model's path), printed as it lands."""
+    off = Child(python, side, model, None, args.tokens)
+    on = Child(python, side, model, spec, args.tokens)
+    name = side if spec == "ngram" else f"{side}+d"
+    rows = {}
     try:
         for w in workloads:
             for c in conc:
-                line = report(side, w, c, compare(off, on, w, c, args.repeats))
-                print(line, f"(load {vs_vllm.load()})", flush=True)
-                lines.append(line)
+                rows[w, c] = compare(off, on, w, c, args.repeats)
+                print(report(name, w, c, rows[w, c]), f"(load {vs_vllm.load()})", flush=True)
     finally:
         off.close()
         on.close()
-    return lines
+    return rows
+
+
+def draft_model(target: str, layers: int) -> str:
+    """The target's first ``layers`` layers as a draft (``tandem make-draft``), made once."""
+    from tandem.server.engine.spec_decode.layer_draft import make_layer_draft
+
+    out = vllm_peer.CACHE / f"draft-{layers}-{Path(target).name}"
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        make_layer_draft(target, tmp, layers)
+        tmp.rename(out)
+    return str(out)
+
+
+def versus(ours: dict, theirs: dict) -> list[str]:
+    """Tandem against vLLM on the rows both ran: each side's tok/s with speculation, and the
+    ratio of the two engines' speculation gains."""
+    return [
+        f"edit    c={c:<3d} tok/s with n-gram: tandem {ours[w, c]['tok_s'][1]:7.1f}  vllm "
+        f"{row['tok_s'][1]:7.1f}  tandem/vllm {ours[w, c]['tok_s'][1] / row['tok_s'][1]:5.2f}x;"
+        f"  speculation's gain: tandem {ours[w, c]['ratio']:5.2f}x  vllm {row['ratio']:5.2f}x"
+        for (w, c), row in theirs.items()
+        if (w, c) in ours
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", choices=("tandem", "vllm"), help=argparse.SUPPRESS)
-    ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens (both sides)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -270,30 +304,44 @@ def main() -> None:
     ap.add_argument("--workloads", default="edit,random")
     ap.add_argument("--threads", type=int, default=0, help="compute threads (0: every CPU)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=4,
+        help="also run a draft model: the target's first N layers (0: none)",
+    )
     args = ap.parse_args()
     if args.child:
         child(args.child, args.model, args.spec, args.tokens)
         return
     if args.threads:
         vs_vllm.THREADS = args.threads
-    import vllm_peer
-
     conc = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workloads.split(",")
     print(vs_vllm.machine())
     print(f"threads per engine: {vs_vllm.THREADS}; ratios: with / without speculation")
     from tandem.server.engine.default_model import default_model_path
 
-    lines = run_side(sys.executable, "tandem", str(default_model_path()), workloads, conc, args)
+    print(f"load average at start: {vs_vllm.load()}")
+    target = str(default_model_path())
+    ours = run_side(sys.executable, "tandem", target, workloads, conc, args, "ngram")
+    drafted: dict = {}
+    if args.draft_layers:
+        draft = draft_model(target, args.draft_layers)
+        drafted = run_side(sys.executable, "tandem", target, workloads, conc, args, draft)
+    theirs: dict = {}
     if not args.no_vllm and "edit" in workloads:
         try:
             peer = str(vllm_peer.build_peer())
             hf = str(vllm_peer.smollm2_dir())
-            lines += run_side(peer, "vllm", hf, ["edit"], conc, args)
+            theirs = run_side(peer, "vllm", hf, ["edit"], conc, args, "ngram")
         except (vllm_peer.PeerUnavailable, RuntimeError) as exc:
             print(f"vLLM skipped: {exc}")
-    print("summary:")
-    for line in lines:
+    print("summary (ratios: with / without speculation; tandem+d: a draft model):")
+    for side, rows in (("tandem", ours), ("tandem+d", drafted), ("vllm", theirs)):
+        for (w, c), row in rows.items():
+            print(" ", report(side, w, c, row))
+    for line in versus(ours, theirs):
         print(" ", line)
     print(f"load average at end: {vs_vllm.load()}")
 

@@ -117,9 +117,10 @@ def test_proposals_fit_the_budget_and_free_blocks_and_are_never_published() -> N
     s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
     asked = []
 
-    def propose(req, budget):
+    def propose(reqs, rows, budget):
+        assert rows == len(reqs) == 1  # the step's rows so far: the one decode
         asked.append(budget)
-        return [9] * min(budget, 5)
+        return [[9] * min(budget, 5)]
 
     s.propose = propose
     a = make_request([1, 2, 3, 4, 5, 6, 7], "a", 0)

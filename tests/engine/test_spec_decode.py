@@ -21,6 +21,7 @@ import torch
 
 from tandem.server.engine import LLM, LLMEngine, SamplingParams
 from tandem.server.engine.config import ConfigError, EngineConfig
+from tandem.server.engine.spec_decode.cost import QUANTIZED_ROW_COST, StepCost
 from tandem.server.engine.spec_decode.draft import MAX_SKIP, Draft
 from tandem.server.engine.spec_decode.ngram import propose_ngram
 from tandem.server.engine.structured import GrammarSpec
@@ -287,17 +288,22 @@ def test_aborts_mid_speculation_leak_no_blocks(llama: Path) -> None:
     ids = [tok.encode(p) for p in PROMPTS]
     ref = LLM(str(llama), kv_cache_tokens=16384).generate(ids, GREEDY)
     llm = spec_llm(llama, Oracle(ids, [o.token_ids for o in ref]), kv_cache_tokens=2048)
-    engine = llm.engine
+    abort_at_every_stage(llm.engine, ids)
+    llm.engine.kv.pool.check_all_free()
+
+
+def abort_at_every_stage(engine: LLMEngine, ids: list[list[int]]) -> None:
+    """Run ``ids`` (and a session's turn) aborting one request each step, at every stage of
+    its proposals, then drain and end the session."""
     for i, p in enumerate(ids):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.add_request("s", ids[1], GREEDY, session_id="sess")
     for step in range(12):
         engine.step()
-        engine.abort_request(f"r{step}")  # one each step, at every stage of its proposals
+        engine.abort_request(f"r{step}")
     assert engine.stats().spec_num_accepted_tokens > 0
     drain(engine)
     assert engine.delete_session("sess")
-    engine.kv.pool.check_all_free()
 
 
 def test_session_turns_with_speculation_match(llama: Path) -> None:
@@ -313,6 +319,32 @@ def test_session_turns_with_speculation_match(llama: Path) -> None:
         outs.append((one, drain(engine)["t2"].outputs[0].token_ids))
     assert outs[0] == outs[1]
     assert spec.stats().spec_num_drafts > 0
+
+
+def test_a_step_past_the_cost_models_rows_gets_no_proposals(arch_case) -> None:
+    """On a compute-bound path (a GGUF model's blocks, at most ``max_rows`` rows) proposals
+    only fill the rows left: a full batch decodes one token a step, a lone request speculates;
+    outputs stay exact either way."""
+    model_dir, prompt_ids, expected = arch_case
+    llm = spec_llm(model_dir, Oracle(prompt_ids, expected))
+    llm.engine.speculator.cost = StepCost(QUANTIZED_ROW_COST, max_rows=3)
+    steps: list[tuple[int, int]] = []  # (rows, proposed tokens) of each step
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        steps.append(
+            (batch.total_tokens, sum(len(r.sampling.draft.token_ids) for r in batch.requests))
+        )
+        return batch
+
+    llm.engine.scheduler.schedule = recording
+    _assert_matches(llm.generate(prompt_ids[:1], GREEDY), expected[:1])
+    assert sum(d for _, d in steps) > 0
+    _assert_matches(llm.generate(prompt_ids[1:5], GREEDY), expected[1:5])
+    assert all(rows <= 3 for rows, drafted in steps if drafted)
+    assert any(rows == 4 and not drafted for rows, drafted in steps)  # four decoding: no room
+    llm.engine.kv.pool.check_all_free()
 
 
 def test_pd_decode_engine_speculates(pd, llama_dir: Path) -> None:
@@ -362,6 +394,36 @@ def test_proposal_length_adapts_to_acceptance() -> None:
             n += 1
         skipped.append(n)
     assert skipped == [1, 3, 7, 15, MAX_SKIP, MAX_SKIP]
+
+
+def test_the_cost_model_adds_rows_only_while_they_pay() -> None:
+    quantized = StepCost(QUANTIZED_ROW_COST, max_rows=8)
+    assert quantized.plan(1, [4], [0.8]) == [3]  # the 4th token's 0.41 no longer pays its row
+    assert quantized.plan(1, [8], [0.95]) == [7]  # a run that agrees proposes up to the room
+    assert quantized.plan(1, [4], [0.15]) == [1]  # a probe only (its backoff spaces them)
+    assert quantized.plan(4, [4] * 4, [0.8] * 4) == [1] * 4  # the room, one each
+    assert quantized.plan(8, [4] * 8, [0.9] * 8) == [0] * 8  # a full batch: none
+    assert quantized.plan(6, [4, 4, 0], [0.3, 0.9, 0.9]) == [1, 1, 0]
+    assert quantized.plan(1, [0], [0.9]) == [0]  # backing off
+    cheap = StepCost(0.05)  # weight-read bound: no cap on rows
+    assert cheap.plan(16, [4] * 16, [0.9] * 16) == [3] * 16
+    assert cheap.plan(1, [4], [0.9]) == [4]
+    # A draft model's pass costs a third of a step: its deeper positions must pay for it.
+    drafted = StepCost(0.05, pass_cost=0.35)
+    assert drafted.plan(1, [4], [0.5]) == [1]  # the probe; a second pass would not pay
+    assert drafted.plan(1, [4], [0.9]) == [4]
+    assert drafted.plan(8, [4] * 8, [0.9] * 8) == [3] * 8  # each pass serves every request
+
+
+def test_acceptance_estimate_follows_recent_proposals() -> None:
+    d = Draft()
+    assert d.acceptance == 0.5
+    for _ in range(10):
+        d.record(4, 4, 4)
+    assert d.acceptance > 0.95
+    for _ in range(10):
+        d.record(4, 0, 4)
+    assert d.acceptance < 0.35  # the misses weigh one token each, a full run four
 
 
 def test_config_is_checked_at_the_edge() -> None:

@@ -22,6 +22,10 @@ SUBCOMMANDS = {
         "tandem.server.engine.tiny_lora_cli",
         "Write a random PEFT LoRA adapter for a tiny model",
     ),
+    "make-draft": (
+        "tandem.server.engine.spec_decode.layer_draft",
+        "Write a draft model for --speculative-method draft: a model's first layers",
+    ),
     "generate": (
         "tandem.server.engine.generate_cli",
         "Generate offline from prompts with the engine",

@@ -99,14 +99,16 @@ class EngineSpec(SpecModel):
     max_lora_rank: int | None = Field(None, ge=1, description="The highest LoRA rank accepted")
     speculative_method: Literal["ngram", "draft"] | None = Field(
         None,
-        description="Speculative decoding: ngram (prompt lookup) proposes tokens verified in one "
-        "forward pass; unset decodes one token a step (draft is reserved, not built yet)",
+        description="Speculative decoding: ngram (prompt lookup) or draft (speculativeModel) "
+        "proposes tokens verified in one forward pass; unset decodes one token a step",
     )
     num_speculative_tokens: int | None = Field(
         None, ge=1, le=16, description="Most tokens proposed per step (adapted to acceptance)"
     )
     speculative_model: str | None = Field(
-        None, description="The draft model of speculativeMethod draft (not built yet)"
+        None,
+        description="The draft model of speculativeMethod draft: a smaller model sharing the "
+        "target's vocabulary (a path in the engine's pod)",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="More 'tandem serve' flags, appended as given"

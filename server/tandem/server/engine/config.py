@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -77,8 +78,8 @@ class EngineConfig:
     max_lora_rank: int = 64
     # Speculative decoding (docs/speculative.md): "ngram" proposes up to
     # num_speculative_tokens tokens a step by prompt lookup, verified in one forward pass;
-    # None (the default) decodes one token a step. "draft" (a small model, speculative_model)
-    # is reserved and not built yet.
+    # None (the default) decodes one token a step. "draft": a smaller model sharing the
+    # target's vocabulary (speculative_model, a path) proposes them (spec_decode/draft_model.py).
     speculative_method: SpeculativeMethod | None = None
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
@@ -159,12 +160,12 @@ class EngineConfig:
             f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}",
         )
         _check(
-            self.speculative_method != "draft",
-            "speculative_method=draft (a draft model) is not built yet; use ngram",
+            (self.speculative_method == "draft") == (self.speculative_model is not None),
+            "speculative_method=draft takes a speculative_model, and only it reads one",
         )
         _check(
-            self.speculative_model is None,
-            "speculative_model is only read by speculative_method=draft, which is not built yet",
+            self.speculative_model is None or Path(self.speculative_model).exists(),
+            f"speculative_model {self.speculative_model!r} does not exist",
         )
 
     def _check_lora(self) -> None:

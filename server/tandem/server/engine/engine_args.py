@@ -50,10 +50,11 @@ HELP = {
     "(implies --enable-lora; docs/lora.md)",
     "max_loras": "LoRA adapters resident at once (least recently used evicted)",
     "max_lora_rank": "the highest LoRA rank accepted",
-    "speculative_method": "speculative decoding: ngram (prompt lookup) proposes tokens "
+    "speculative_method": "speculative decoding: ngram (prompt lookup) or draft (--speculative-model) proposes tokens "
     "verified in one step (docs/speculative.md); none decodes one token a step",
     "num_speculative_tokens": "the most tokens proposed a step (adapted to acceptance)",
-    "speculative_model": "the draft model of --speculative-method draft (not built yet)",
+    "speculative_model": "the draft model of --speculative-method draft: a smaller model sharing the target's "
+    "vocabulary (a GGUF file or HF folder; tandem make-draft makes one)",
 }
 
 

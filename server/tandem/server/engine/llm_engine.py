@@ -38,6 +38,8 @@ from .sampler import RowError, SamplerOutput, sample
 from .sampling_params import InvalidParamError, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sessions import SessionStore
+from .spec_decode.cost import step_cost
+from .spec_decode.draft_model import DraftModel
 from .spec_decode.speculator import Speculator
 from .stats import EngineStats, Totals
 from .stopping import check_stop
@@ -80,11 +82,25 @@ class LLMEngine:
         self.totals = Totals()
         self.loras = self._lora_registry()
         self.speculator: Speculator | None = None
-        if config.speculative_method == "ngram":
-            self.speculator = Speculator(
-                config.num_speculative_tokens, self.kv, self.max_model_len, self.totals
-            )
-            self.scheduler.propose = self.speculator.propose
+        if config.speculative_method is not None:
+            self.speculator = self._speculator()
+
+    def _speculator(self) -> Speculator:
+        """Speculative decoding's proposer and verifier, hooked into the scheduler."""
+        draft, cost = None, step_cost(self.worker.runner.model)
+        if self.config.speculative_method == "draft":
+            draft = DraftModel(self.config, self.model_config, self.device)
+            cost = dataclasses.replace(cost, pass_cost=draft.pass_cost)
+        spec = Speculator(
+            self.config.num_speculative_tokens,
+            self.kv,
+            self.max_model_len,
+            self.totals,
+            cost,
+            draft,
+        )
+        self.scheduler.propose, self.scheduler.on_finish = spec.propose, spec.release
+        return spec
 
     def _lora_registry(self) -> LoraRegistry | None:
         """Multi-LoRA (``lora/``): the adapters named at the start, checked before serving."""

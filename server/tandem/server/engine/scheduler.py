@@ -48,9 +48,12 @@ class Scheduler:
         # Whether a waiting request may join the running ones (multi-LoRA: at most max_loras
         # adapters at once); one that may not is skipped and keeps its place in the queue.
         self.admissible: Callable[[Request, list[Request]], bool] | None = None
-        # Speculative decoding's hook: the tokens to verify after a decoding request's last
-        # one, at most the int given (spec_decode/speculator.py); None decodes one a step.
-        self.propose: Callable[[Request, int], list[int]] | None = None
+        # Speculative decoding's hook: the tokens to verify after each decoding request's last
+        # one, given them, the step's rows so far and the budget left (at most that many in
+        # all; spec_decode/speculator.py); None decodes one a step.
+        self.propose: Callable[[list[Request], int, int], list[list[int]]] | None = None
+        # Called with each request that ends (a draft model frees its own blocks for it).
+        self.on_finish: Callable[[Request], None] | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -70,30 +73,40 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         decodes_first = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)
+        decoding: list[int] = []  # batch positions of one-token decodes (may speculate)
         for req in decodes_first:
+            req.sampling.draft.token_ids = []
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
             if self._grow_or_preempt(req, n, batch):
-                n += self._speculate(req, n, budget)
+                if n == 1 and req.num_uncomputed_tokens == 1:
+                    decoding.append(len(batch.requests))
                 self._take(batch, req, n)
                 budget -= n
-        return budget
+        return self._speculate(batch, decoding, budget)
 
-    def _speculate(self, req: Request, n: int, budget: int) -> int:
-        """Give a decoding request its proposal, if it has one and it fits; returns its length."""
-        req.sampling.draft.token_ids = []
-        if self.propose is None or n != 1 or req.num_uncomputed_tokens != 1:
-            return 0
-        draft = self.propose(req, budget - n)
-        more = self.kv.blocks_for(req.num_computed_tokens + n + len(draft)) - len(req.block_ids)
-        # Free blocks only: a guess never makes sessions give theirs back (kv.reclaim).
-        if not draft or more > self.kv.pool.num_free or not self.kv.allocate(req, n + len(draft)):
-            return 0
-        req.sampling.draft.token_ids = draft
-        return len(draft)
+    def _speculate(self, batch: ScheduledBatch, decoding: list[int], budget: int) -> int:
+        """Give the decoding requests their proposals, the step's rows all known (the hook
+        weighs them against what they add), where free blocks allow; returns the budget left."""
+        if self.propose is None or not decoding or budget == 0:
+            return budget
+        reqs = [batch.requests[i] for i in decoding]
+        for i, req, draft in zip(decoding, reqs, self.propose(reqs, batch.total_tokens, budget)):
+            more = self.kv.blocks_for(req.num_computed_tokens + 1 + len(draft)) - len(req.block_ids)
+            # Free blocks only: a guess never makes sessions give theirs back (kv.reclaim).
+            if (
+                not draft
+                or more > self.kv.pool.num_free
+                or not self.kv.allocate(req, 1 + len(draft))
+            ):
+                continue
+            req.sampling.draft.token_ids = draft
+            batch.num_new_tokens[i] += len(draft)
+            budget -= len(draft)
+        return budget
 
     def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         while not self.kv.allocate(req, n):
@@ -187,3 +200,5 @@ class Scheduler:
         for sibling in req.pending_siblings:
             sibling.status = status
         req.pending_siblings = []
+        if self.on_finish is not None:
+            self.on_finish(req)

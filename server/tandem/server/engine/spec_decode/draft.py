@@ -3,7 +3,9 @@
 The length adapts to the request's own acceptance, so a request whose proposals keep missing
 stops paying for them: each verified proposal sets the next length to one more than it got
 accepted (up to the configured most), and a proposal with nothing accepted makes the request
-skip proposing for 1, 3, 7, ... 31 steps (doubling while it keeps missing).
+skip proposing for 1, 3, 7, ... 31 steps (doubling while it keeps missing). It also keeps an
+estimate of how likely each proposed token is to be accepted (recent proposals weigh most),
+which the step's cost model (``cost.StepCost``) weighs against the rows a proposal adds.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SKIP = 31
+# How much of the estimate a verified proposal keeps: about the last five proposals count.
+DECAY = 0.8
+# The estimate before anything was verified (one accepted and one rejected token, as if seen).
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
 
 
 @dataclass(eq=False)
@@ -19,6 +25,13 @@ class Draft:
     length: int = 0  # how many to propose next; 0 until the first proposal (then the most)
     skip: int = 0  # steps left without proposing
     misses: int = 0  # proposals in a row with nothing accepted
+    hits: float = PRIOR_HITS  # accepted tokens, decayed
+    trials: float = PRIOR_TRIALS  # tokens checked (every accepted one, and the first rejected)
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that the next proposed token is accepted."""
+        return self.hits / self.trials
 
     def next_length(self, most: int) -> int:
         """How many tokens to propose this step (0: skip this one)."""
@@ -30,6 +43,8 @@ class Draft:
     def record(self, proposed: int, accepted: int, most: int) -> None:
         """A proposal of ``proposed`` tokens was verified with ``accepted`` of them kept."""
         self.length = most if accepted == proposed else max(1, accepted + 1)
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < proposed)
         if accepted:
             self.misses = 0
             return

@@ -33,6 +33,8 @@ from ..kv_cache_manager import KVCacheManager
 from ..request import Request
 from ..sampler import SamplerOutput, sample
 from ..stats import Totals
+from .cost import StepCost
+from .draft_model import DraftModel
 from .ngram import propose_ngram
 
 TakeSamples = Callable[[list[Request], SamplerOutput], None]
@@ -41,7 +43,8 @@ Proposer = Callable[[list[int], int], list[int]]
 
 
 class Speculator:
-    """n-gram speculation for one engine: ``propose`` (the scheduler's hook) and ``verify``."""
+    """Speculation for one engine (n-gram lookup, or a draft model): ``propose`` (the
+    scheduler's hook), ``verify`` and ``release``."""
 
     def __init__(
         self,
@@ -49,29 +52,49 @@ class Speculator:
         kv: KVCacheManager,
         max_model_len: int,
         totals: Totals,
+        cost: StepCost,
+        draft_model: DraftModel | None = None,
         proposer: Proposer = propose_ngram,
     ) -> None:
         self.most = most
+        self.cost = cost
+        self.draft_model = draft_model  # proposes in place of the n-gram lookup when given
         self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.totals = totals
         totals.spec_accepted_per_position = [0] * most
 
-    def propose(self, req: Request, budget: int) -> list[int]:
-        """Tokens to verify after ``req``'s last one this step (at most ``budget``): never
-        past its ``max_tokens`` or the context, and only what its grammar allows."""
+    def propose(self, requests: list[Request], rows: int, budget: int) -> list[list[int]]:
+        """Tokens to verify after each decoding request's last one this step (at most
+        ``budget`` in all, in a step of ``rows`` rows so far): as many as the step's cost model
+        finds worth their rows, never past a request's ``max_tokens`` or the context, and only
+        what its grammar allows."""
+        caps = [self._most_for(req) for req in requests]
+        acceptance = [req.sampling.draft.acceptance for req in requests]
+        lengths = self.cost.plan(rows, caps, acceptance, budget)
+        if self.draft_model is not None:
+            proposals = self.draft_model.propose(requests, lengths)
+        else:
+            proposals = [
+                self.proposer(r.all_token_ids, k) if k else [] for r, k in zip(requests, lengths)
+            ]
+        return [_grammar_allows(r, p) for r, p in zip(requests, proposals)]
+
+    def release(self, req: Request) -> None:
+        """A request ended: the draft model's blocks for it go back."""
+        if self.draft_model is not None:
+            self.draft_model.release(req)
+
+    def _most_for(self, req: Request) -> int:
+        """The most tokens ``req`` may propose now (0 while it backs off after misses)."""
         left = min(
-            budget,
             req.sampling.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens - 1,
         )
         if left <= 0 or req.pooling is not None:
-            return []
-        k = min(req.sampling.draft.next_length(self.most), left)
-        if k <= 0:
-            return []
-        return _grammar_allows(req, self.proposer(req.all_token_ids, k))
+            return 0
+        return min(req.sampling.draft.next_length(self.most), left)
 
     def verify(self, logits: torch.Tensor, requests: list[Request], take: TakeSamples) -> None:
         """Sample each request's rows in rounds (see the module's docstring); ``take`` appends

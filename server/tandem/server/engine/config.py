@@ -13,6 +13,7 @@ from typing import Literal, get_args
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
 PrefixCacheScope = Literal["key", "global"]
+QuantizedWeights = Literal["auto", "exact", "off"]
 SpeculativeMethod = Literal["ngram", "draft"]
 
 
@@ -40,8 +41,11 @@ class EngineConfig:
     prefix_cache_scope: PrefixCacheScope = "key"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     # A GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights multiplied as blocks at decode batch
-    # sizes on an AVX-512 CPU ("auto"), or always by their dequantized copy ("off").
-    quantized_weights: Literal["auto", "off"] = "auto"
+    # sizes on an AVX-512 CPU: "auto" with x quantized to int8 per block (VNNI, llama.cpp's
+    # way; the float kernel where the CPU lacks VNNI), "exact" by each weight rebuilt in
+    # float32 (the dequantized product up to the order of the sums), or "off": always by
+    # their dequantized copy.
+    quantized_weights: QuantizedWeights = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -109,8 +113,8 @@ class EngineConfig:
         )
 
         _check(
-            self.quantized_weights in ("auto", "off"),
-            f"quantized_weights must be auto or off, got {self.quantized_weights!r}",
+            self.quantized_weights in get_args(QuantizedWeights),
+            f"quantized_weights must be auto, exact or off, got {self.quantized_weights!r}",
         )
         _check(
             self.prefix_cache_scope in get_args(PrefixCacheScope),

@@ -43,12 +43,6 @@ typedef struct {
     int32_t *off;  /* Q4_0 */
 } xq_row;
 
-INLINE float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
 /* Lanes of block b (0) and b+1 (1): Q8_0's halves, a 4-bit pair's alternating quarters. */
 INLINE __mmask16 second_block(int qtype) { return qtype == Q8_0 ? 0xFF00 : 0xF0F0; }
 
@@ -111,10 +105,20 @@ INLINE __m512i pair_weights(const uint8_t *a, const uint8_t *b, const int qtype)
     return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
 }
 
-/* A pair's per-lane value of the fp16 at byte `at` of each block (d, or Q4_1's m). */
-INLINE __m512 pair_half(const uint8_t *a, const uint8_t *b, int at, const int qtype) {
-    return _mm512_mask_blend_ps(second_block(qtype), _mm512_set1_ps(half_at(a + at)),
-                                _mm512_set1_ps(half_at(b + at)));
+/* A pair's scales d (and Q4_1's minimums m) in float32, each lane its block's: the two
+ * blocks' 4-byte heads converted at once, then spread to the lanes (second_block's). */
+INLINE void pair_scales(const uint8_t *a, const uint8_t *b, const int qtype, __m512 *d,
+                        __m512 *m) {
+    int32_t ha, hb;
+    memcpy(&ha, a, sizeof ha);
+    memcpy(&hb, b, sizeof hb);
+    __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(ha, hb, 0, 0)));
+    /* heads: a.d, a.m, b.d, b.m (a Q8_0 / Q4_0 head is d alone: the m slots unused) */
+    const __m512i d_at = qtype == Q8_0
+                             ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+                             : _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+    *d = _mm512_permutexvar_ps(d_at, heads);
+    if (qtype == Q4_1) *m = _mm512_permutexvar_ps(_mm512_add_epi32(d_at, _mm512_set1_epi32(1)), heads);
 }
 
 /* One output column for all rows: out[r] = x_r . w, w's blocks at `w`. */
@@ -128,7 +132,8 @@ INLINE void dot_rows(const xq_row *xs, const uint8_t *restrict w, float *out, in
         const uint8_t *a = w + (int64_t)2 * p * block_bytes;
         const uint8_t *b = 2 * p + 1 < blocks ? a + block_bytes : zero_block;
         __m512i wq = pair_weights(a, b, qtype);
-        __m512 dw = pair_half(a, b, 0, qtype);
+        __m512 dw, m = _mm512_setzero_ps();
+        pair_scales(a, b, qtype, &dw, &m);
         __m512i start = _mm512_setzero_si512();
         if (qtype == Q8_0) /* -128 sum(w): x's bytes are q + 128 */
             start = _mm512_sub_epi32(
@@ -145,8 +150,7 @@ INLINE void dot_rows(const xq_row *xs, const uint8_t *restrict w, float *out, in
             __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xs[r].scale + p * 16));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             if (qtype == Q4_1) /* + m sum(x) */
-                acc[r] = _mm512_fmadd_ps(pair_half(a, b, 2, qtype),
-                                         _mm512_loadu_ps(xs[r].sum + p * 16), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xs[r].sum + p * 16), acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);

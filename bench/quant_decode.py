@@ -3,7 +3,7 @@ vs dequantized; and the two block kernels alone.
 
     python bench/quant_decode.py [--model FILE.gguf] [--rounds 5] [--tokens 128] [--rows 1,4,8]
 
-The three engines (``quantized_weights`` auto = int8 on a VNNI CPU, exact, off = dequantized)
+The three engines (``quantized_weights`` int8 (on a VNNI CPU), exact, off = dequantized)
 are loaded in one process and run alternately (int8, exact, dequantized, ...), so a change in
 the machine's load falls on all. Both block engines run their decode steps through the
 modules (their decode chain dropped: decode_chain.c calls the exact kernel only), so the
@@ -40,7 +40,7 @@ from tandem.server.engine.default_model import default_model_path  # noqa: E402
 from tandem.server.engine.models import layers  # noqa: E402
 
 PROMPT = "Once upon a time, there was a little robot who"
-MODES = {"int8": "auto", "exact": "exact", "dequantized": "off"}
+MODES = {"int8": "int8", "exact": "exact", "dequantized": "off"}
 
 
 class LinearClock:

@@ -39,8 +39,7 @@ def _need_chain(tmp_path, monkeypatch) -> None:
 def _engine(tiny_models, tmp_path, arch: str, qtype: Q, dtype: str) -> LLM:
     path = tmp_path / f"{arch}-{qtype.name}.gguf"
     write_gguf(tiny_models[arch], path, encoder(qtype))
-    # exact: the chain calls quant_gemv; the int8 kernel's layers (auto) are not chained yet
-    return LLM(str(path), dtype=dtype, kv_cache_tokens=2048, quantized_weights="exact")
+    return LLM(str(path), dtype=dtype, kv_cache_tokens=2048)
 
 
 def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:

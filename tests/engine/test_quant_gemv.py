@@ -33,8 +33,9 @@ from tandem.server.engine.models.layers import QUANT_ROWS, Linear
 
 from .test_default_model import MAX_TOKENS, PROMPTS
 
-# The largest logprob difference int8 activations may make on the default model's prompts.
-LOGPROB_INT8 = 1.0
+# The largest logprob difference int8 activations may make on the default model's prompts
+# (measured up to 0.34).
+LOGPROB_INT8 = 0.5
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
 
@@ -154,15 +155,15 @@ def test_strided_rows_read_in_place() -> None:
 
 @pytest.fixture(scope="module")
 def default_engines() -> dict[str, LLM]:
-    """The default model with its weights multiplied as blocks with x in int8 (``auto``), in
-    float32 (``exact``), and dequantized (``off``). ``auto``'s decode chain is dropped so its
-    decode steps run the modules, hence ``quant_gemv_q8`` (decode_chain.c calls the exact
-    kernel for now: ``Linear.kernel`` names the one each layer takes)."""
+    """The default model with its weights multiplied as blocks with x in float32 (``exact``)
+    and in int8 (``int8``), and dequantized (``off``). ``int8``'s decode chain is dropped so
+    its decode steps run the modules, hence ``quant_gemv_q8`` (decode_chain.c calls the exact
+    kernel for now; ``Linear.kernel`` names the one each layer takes)."""
     path = str(default_model_path())
     engines = {
-        q: LLM(path, kv_cache_tokens=4096, quantized_weights=q) for q in ("auto", "exact", "off")
+        q: LLM(path, kv_cache_tokens=4096, quantized_weights=q) for q in ("exact", "int8", "off")
     }
-    engines["auto"].engine.worker.runner._chain = None
+    engines["int8"].engine.worker.runner._chain = None
     return engines
 
 
@@ -173,19 +174,11 @@ def _quantized_layers(llm: LLM, kernel: str = "quant_gemv") -> int:
     )
 
 
-def _greedy(llm: LLM) -> list:
+def _greedy(llm: LLM, logprobs: int = 0) -> list:
     """The test prompts one at a time (a batch of 12 decodes past QUANT_ROWS, by the
-    dequantized weights), greedy, with the chosen tokens' logprobs."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    dequantized weights), greedy, with the chosen tokens' logprobs (and the top ones)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs)
     return [llm.generate([p], params)[0] for p in PROMPTS]
-
-
-def _logprob_difference(got: list, want: list) -> float:
-    return max(
-        abs(a.logprob - b.logprob)
-        for g, w in zip(got, want)
-        for a, b in zip(g.logprobs, w.logprobs)
-    )
 
 
 def test_default_model_generates_the_same_text_from_its_blocks(default_engines) -> None:
@@ -197,29 +190,45 @@ def test_default_model_generates_the_same_text_from_its_blocks(default_engines) 
     assert _quantized_layers(quant) == 4 * 30 + 1 and _quantized_layers(dense) == 0
     got, want = _greedy(quant), _greedy(dense)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    diff = _logprob_difference(got, want)
+    diff = max(
+        abs(a.logprob - b.logprob)
+        for g, w in zip(got, want)
+        for a, b in zip(g.logprobs, w.logprobs)
+    )
     assert diff < 1e-4, diff
 
 
-def test_default_model_generates_the_same_text_with_int8_activations(
+def test_int8_activations_move_logprobs_by_less_than_their_bound(
     default_engines, need_vnni
 ) -> None:
-    """``auto`` on a VNNI CPU: every linear's x rounded to 8 bits per block (the int8 kernel
-    in all 121 layers), and still the dequantized model's greedy tokens on the test prompts;
-    the chosen tokens' logprobs differ by at most LOGPROB_INT8 (x's rounding through 30
-    layers: measured max 0.0XX)."""
-    quant, dense = default_engines["auto"], default_engines["off"]
+    """``int8``: every linear's x rounded to 8 bits per block of 32 (the int8 kernel in all
+    121 layers). It is NOT greedy-exact: x's rounding moves a token's logprob by up to
+    LOGPROB_INT8 (measured up to 0.34 here), which flips near-ties, so most of the 12 prompts'
+    greedy texts part from the dequantized model's after a few tokens (why ``auto`` stays
+    exact). Asserted: up to where they part, each chosen token's logprob is within
+    LOGPROB_INT8 of the dequantized model's; where they part, int8's token is within
+    2 * LOGPROB_INT8 of the dequantized model's best (no more than the bound can flip)."""
+    quant, dense = default_engines["int8"], default_engines["off"]
     assert _quantized_layers(quant, "quant_gemv_q8") == 4 * 30 + 1
-    got, want = _greedy(quant), _greedy(dense)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    diff = _logprob_difference(got, want)
-    print(f"int8 activations: largest logprob difference {diff:.4g}")
-    assert diff < LOGPROB_INT8, diff
+    got, want = _greedy(quant), _greedy(dense, logprobs=20)
+    largest, parted = 0.0, 0
+    for g, w in zip(got, want):
+        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        for a, b in zip(g.logprobs[:same], w.logprobs[:same]):
+            largest = max(largest, abs(a.logprob - b.logprob))
+        if same is not None:
+            parted += 1
+            alternatives = dict(w.logprobs[same].top)
+            chosen = g.token_ids[same]
+            assert alternatives.get(chosen, -1e9) >= w.logprobs[same].logprob - 2 * LOGPROB_INT8
+    print(f"int8: largest logprob difference {largest:.3f}; {parted} of 12 prompts parted")
+    assert largest < LOGPROB_INT8, largest
 
 
-@pytest.mark.parametrize("mode", ["auto", "exact"])
-def test_paris_from_the_blocks(default_engines, mode) -> None:
-    quant, dense = default_engines[mode], default_engines["off"]
+def test_paris_from_the_blocks(default_engines) -> None:
+    """(``int8`` fails this one: it answers "L'Étoile de France, la capital de la France, ...",
+    its first token a near-tie flipped; see the test above.)"""
+    quant, dense = default_engines["exact"], default_engines["off"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = quant.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_dict=False

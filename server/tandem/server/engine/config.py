@@ -13,7 +13,7 @@ from typing import Literal, get_args
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
 PrefixCacheScope = Literal["key", "global"]
-QuantizedWeights = Literal["auto", "exact", "off"]
+QuantizedWeights = Literal["auto", "exact", "int8", "off"]
 SpeculativeMethod = Literal["ngram", "draft"]
 
 
@@ -41,10 +41,11 @@ class EngineConfig:
     prefix_cache_scope: PrefixCacheScope = "key"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     # A GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights multiplied as blocks at decode batch
-    # sizes on an AVX-512 CPU: "auto" with x quantized to int8 per block (VNNI, llama.cpp's
-    # way; the float kernel where the CPU lacks VNNI), "exact" by each weight rebuilt in
-    # float32 (the dequantized product up to the order of the sums), or "off": always by
-    # their dequantized copy.
+    # sizes on an AVX-512 CPU: "exact" by each weight rebuilt in float32 (the dequantized
+    # product up to the order of the sums), "int8" with x quantized to 8 bits per block and
+    # VNNI dot products (llama.cpp's way: faster, but it changes greedy tokens; the exact
+    # kernel where the CPU lacks VNNI), or "off": always by their dequantized copy. "auto"
+    # is exact (docs/performance.md: int8 flipped greedy tokens on the default model).
     quantized_weights: QuantizedWeights = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
@@ -114,7 +115,7 @@ class EngineConfig:
 
         _check(
             self.quantized_weights in get_args(QuantizedWeights),
-            f"quantized_weights must be auto, exact or off, got {self.quantized_weights!r}",
+            f"quantized_weights must be auto, exact, int8 or off, got {self.quantized_weights!r}",
         )
         _check(
             self.prefix_cache_scope in get_args(PrefixCacheScope),

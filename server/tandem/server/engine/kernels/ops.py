@@ -139,11 +139,13 @@ def quant_gemv_q8_for(device: torch.device, dtype: torch.dtype) -> bool:
 
 def quant_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> str | None:
     """The block kernel a ``quantized_weights`` mode gets here, by its name (the same in
-    ``kernels`` and in the C library): ``auto`` the int8 one where the CPU has VNNI, else the
-    exact one; ``exact`` the float one; None where the mode is ``off`` or neither runs."""
-    if mode == "auto" and quant_gemv_q8_for(device, dtype):
+    ``kernels`` and in the C library): ``int8`` the int8 one where the CPU has VNNI, else the
+    exact one; ``auto`` and ``exact`` the exact one (int8 activations change the default
+    model's greedy tokens: tests/engine/test_quant_gemv.py); None for ``off`` or where
+    neither runs."""
+    if mode == "int8" and quant_gemv_q8_for(device, dtype):
         return "quant_gemv_q8"
-    if mode in ("auto", "exact") and quant_gemv_for(device, dtype):
+    if mode in ("auto", "exact", "int8") and quant_gemv_for(device, dtype):
         return "quant_gemv"
     return None
 

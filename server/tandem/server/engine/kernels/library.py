@@ -28,7 +28,7 @@ SOURCES = [
     HERE / f
     for f in ("paged_decode.c", "layers.c", "quant_gemv.c", "quant_vnni.c", "decode_chain.c")
 ]
-HEADERS = [HERE / "convert.h"]
+HEADERS = [HERE / f for f in ("convert.h", "quant_blocks.h", "quant_columns.h")]
 # Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
 FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]

@@ -20,18 +20,9 @@
  */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include <omp.h>
 #include <stdlib.h>
 
-#include "convert.h"
-
-#define INLINE static inline __attribute__((always_inline))
-#define QK 32
-#define MAX_ROWS 8
-#define PARALLEL_WORK 65536 /* as quant_gemv.c: below this many weights one thread does it all */
-#define Q4_0 2
-#define Q4_1 3
-#define Q8_0 8
+#include "quant_blocks.h"
 
 /* One row's x, quantized: per pair of blocks 64 bytes of q, 16 float lanes of d_x (each lane
  * the scale of the block its int32 lane sums), and 16 int32 lanes of the offset (Q4_0:
@@ -156,40 +147,8 @@ INLINE void dot_rows(const xq_row *xs, const uint8_t *restrict w, float *out, in
     for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* The columns [n0, n1) of y, with rows and qtype constants where it is inlined. */
-INLINE void columns(const xq_row *xs, const uint8_t *w, int64_t w_stride, void *y,
-                    int64_t y_stride, int n0, int n1, int K, const int rows, const int qtype,
-                    const int bf16) {
-    const int block_bytes = qtype == Q8_0 ? 34 : (qtype == Q4_1 ? 20 : 18);
-    float out[MAX_ROWS];
-    for (int n = n0; n < n1; n++) {
-        dot_rows(xs, w + (int64_t)n * w_stride, out, K, rows, qtype, block_bytes);
-        for (int r = 0; r < rows; r++) store(y, (int64_t)r * y_stride + n, out[r], bf16);
-    }
-}
-
-#define ROWS_CASE(R)                                                                         \
-    case R:                                                                                  \
-        return columns(xs, w, w_stride, y, y_stride, n0, n1, K, R, qtype, bf16);
-
-INLINE void columns_for(const xq_row *xs, const uint8_t *w, int64_t w_stride, void *y,
-                        int64_t y_stride, int n0, int n1, int K, int rows, const int qtype,
-                        int bf16) {
-    switch (rows) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-    }
-}
-
-static void columns_any(const xq_row *xs, const uint8_t *w, int64_t w_stride, void *y,
-                        int64_t y_stride, int n0, int n1, int K, int rows, int qtype, int bf16) {
-    if (qtype == Q8_0)
-        columns_for(xs, w, w_stride, y, y_stride, n0, n1, K, rows, Q8_0, bf16);
-    else if (qtype == Q4_0)
-        columns_for(xs, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_0, bf16);
-    else
-        columns_for(xs, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_1, bf16);
-}
+#define X_T xq_row
+#include "quant_columns.h"
 
 /* x's rows quantized into one buffer: per row and pair 64 bytes of q, then 16 lanes each of
  * scale, sum and offset (256 bytes a pair). Free the returned pointer. */
@@ -217,16 +176,7 @@ void quant_gemv_q8(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_
                    int64_t y_stride, int rows, int N, int K, int qtype, int bf16, int threads) {
     xq_row xs[MAX_ROWS];
     void *buf = quantize_rows(x, x_stride, rows, K, qtype, bf16, xs);
-    if ((int64_t)N * K <= PARALLEL_WORK || threads <= 1) {
-        columns_any(xs, w, w_stride, y, y_stride, 0, N, K, rows, qtype, bf16);
-    } else {
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
-            columns_any(xs, w, w_stride, y, y_stride, n0, n1, K, rows, qtype, bf16);
-        }
-    }
+    all_columns(xs, w, w_stride, y, y_stride, rows, N, K, qtype, bf16, threads);
     free(buf);
 }
 #endif

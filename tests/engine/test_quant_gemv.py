@@ -28,6 +28,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from tandem.server.engine import LLM, SamplingParams, kernels
+from tandem.server.engine.config import ConfigError, EngineConfig
 from tandem.server.engine.default_model import default_model_path
 from tandem.server.engine.models.layers import QUANT_ROWS, Linear
 
@@ -263,3 +264,17 @@ def test_a_layer_takes_its_blocks_for_few_rows_only_and_while_its_weight_is_thei
             layer.weight.mul_(2)
         layer(torch.randn(1, 64))
     assert calls == [1, QUANT_ROWS]
+
+
+def test_each_mode_names_its_kernel(need_vnni) -> None:
+    """``quantized_weights`` -> the kernel ``Linear.kernel`` holds (and the decode chain reads):
+    auto is the exact kernel; an unknown mode is refused at the edge."""
+    cpu = torch.device("cpu")
+    modes = {m: kernels.quant_kernel(m, cpu, torch.float32) for m in ("auto", "exact", "int8")}
+    assert modes == {"auto": "quant_gemv", "exact": "quant_gemv", "int8": "quant_gemv_q8"}
+    assert kernels.quant_kernel("off", cpu, torch.float32) is None
+    assert kernels.quant_kernel("int8", cpu, torch.float16) is None
+    with pytest.raises(ConfigError, match="quantized_weights"):
+        EngineConfig(model="m", quantized_weights="fast")
+    with pytest.raises(ValueError, match="no block kernel"):
+        Linear(32, 4).use_quantized(torch.zeros(4, 34, dtype=torch.uint8), 8, "quant_gemv_q4")

@@ -55,10 +55,12 @@ class EngineSpec(SpecModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] | None = Field(
         None, description="Attention kernels"
     )
-    quantized_weights: Literal["auto", "off"] | None = Field(
+    quantized_weights: Literal["auto", "exact", "int8", "off"] | None = Field(
         None,
         description="A GGUF model's Q8_0/Q4_0/Q4_1 weights multiplied as blocks at decode batch "
-        "sizes on AVX-512 CPUs (auto), or always dequantized (off)",
+        "sizes on AVX-512 CPUs, with activations in float32 (auto, exact) or quantized to int8 "
+        "(int8: VNNI dot products as llama.cpp's, faster, greedy tokens may differ), or always "
+        "dequantized (off)",
     )
     enforce_eager: bool | None = Field(None, description="Disable CUDA graphs")
     seed: int | None = Field(None, description="Sampling seed for requests without their own")

@@ -14,6 +14,7 @@ from typing import Literal, get_args
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PoolingKind = Literal["last", "mean", "cls"]
 PrefixCacheScope = Literal["key", "global"]
+QuantizedWeights = Literal["auto", "exact", "int8", "off"]
 SpeculativeMethod = Literal["ngram", "draft"]
 
 
@@ -41,8 +42,12 @@ class EngineConfig:
     prefix_cache_scope: PrefixCacheScope = "key"
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     # A GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights multiplied as blocks at decode batch
-    # sizes on an AVX-512 CPU ("auto"), or always by their dequantized copy ("off").
-    quantized_weights: Literal["auto", "off"] = "auto"
+    # sizes on an AVX-512 CPU: "exact" by each weight rebuilt in float32 (the dequantized
+    # product up to the order of the sums), "int8" with x quantized to 8 bits per block and
+    # VNNI dot products (llama.cpp's way: faster, but it changes greedy tokens; the exact
+    # kernel where the CPU lacks VNNI), or "off": always by their dequantized copy. "auto"
+    # is exact (docs/performance.md: int8 flipped greedy tokens on the default model).
+    quantized_weights: QuantizedWeights = "auto"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     # A replica that spans nodes (docs/operator.md, LeaderWorkerSet): its tensor_parallel_size
@@ -117,8 +122,8 @@ class EngineConfig:
         )
 
         _check(
-            self.quantized_weights in ("auto", "off"),
-            f"quantized_weights must be auto or off, got {self.quantized_weights!r}",
+            self.quantized_weights in get_args(QuantizedWeights),
+            f"quantized_weights must be auto, exact, int8 or off, got {self.quantized_weights!r}",
         )
         _check(
             self.prefix_cache_scope in get_args(PrefixCacheScope),

@@ -29,8 +29,9 @@ HELP = {
     "enable_prefix_caching": "reuse cached KV blocks of a shared prompt prefix",
     "prefix_cache_scope": "whose cached blocks a request may hit: its own key's, or global",
     "attention_backend": "the attention kernels (auto: flashinfer on a GPU when installed)",
-    "quantized_weights": "a GGUF's Q8_0/Q4_0/Q4_1 weights multiplied as blocks (auto) or "
-    "dequantized (off)",
+    "quantized_weights": "a GGUF's Q8_0/Q4_0/Q4_1 weights multiplied as blocks with x in "
+    "float32 (auto, exact) or in int8 (int8: VNNI, faster, not greedy-exact), or dequantized "
+    "(off)",
     "enforce_eager": "no CUDA graphs for decode",
     "tensor_parallel_size": "GPUs (ranks) the model is split over, on all nodes together",
     "nnodes": "processes (nodes) one replica's ranks are split over (a LeaderWorkerSet group)",

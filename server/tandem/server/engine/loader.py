@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from . import gguf_loader, kernels
+from .config import QuantizedWeights
 from .models.config import (
     DTYPES,
     ModelConfig,
@@ -106,10 +107,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel = SINGLE,
-    quantized: bool = False,
+    quantized: QuantizedWeights = "off",
 ) -> nn.Module:
-    """The model with its weights; with ``quantized``, a GGUF file's block-format linear
-    weights are also kept as blocks where the CPU kernel can multiply by them (see
+    """The model with its weights; unless ``quantized`` (``EngineConfig.quantized_weights``)
+    is off, a GGUF file's block-format linear weights are also kept as blocks where a CPU
+    kernel can multiply by them, the mode's kernel chosen (``kernels.quant_kernel``; see
     ``attach_quantized``)."""
     model_dir = Path(model_dir)
     cfg = read_model_config(model_dir)
@@ -130,15 +132,16 @@ def load_model(
     missing = expected - loaded
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks {sorted(missing)[:8]}")
-    if quantized and gguf_loader.is_gguf(model_dir) and tp.size == 1:
-        if kernels.quant_gemv_for(device, dtype):
-            attach_quantized(model, model_dir, cfg)
+    kernel = kernels.quant_kernel(quantized, device, dtype)
+    if kernel is not None and gguf_loader.is_gguf(model_dir) and tp.size == 1:
+        attach_quantized(model, model_dir, cfg, kernel)
     return model.eval()
 
 
-def attach_quantized(model: nn.Module, path: str | Path, cfg: ModelConfig) -> int:
+def attach_quantized(model: nn.Module, path: str | Path, cfg: ModelConfig, kernel: str) -> int:
     """Give each linear layer whose weights the file holds in Q8_0 / Q4_0 / Q4_1 blocks
-    those blocks (``Linear.use_quantized``); returns how many layers got them.
+    those blocks, to be multiplied by ``kernel`` (``Linear.use_quantized``); returns how
+    many layers got them.
 
     The dequantized weights stay: they are the reference, and the faster product for
     prefill-sized batches. Keeping both costs the blocks' size on top (4.5 to 8.5 bits a
@@ -157,7 +160,7 @@ def attach_quantized(model: nn.Module, path: str | Path, cfg: ModelConfig) -> in
         if m is None:
             layer = modules.get(name.removesuffix(".weight"))
             if isinstance(layer, Linear):
-                layer.use_quantized(blocks, qtype)
+                layer.use_quantized(blocks, qtype, kernel)
                 attached += 1
             continue
         prefix, shard, _ = m.groups()
@@ -168,7 +171,8 @@ def attach_quantized(model: nn.Module, path: str | Path, cfg: ModelConfig) -> in
         got = shards.setdefault(parent, {})
         got[shard] = (qtype, blocks)
         if len(got) == len(layer.shard_offsets) and len({t for t, _ in got.values()}) == 1:
-            layer.use_quantized(torch.cat([got[s][1] for s in layer.shard_offsets]), qtype)
+            blocks = torch.cat([got[s][1] for s in layer.shard_offsets])
+            layer.use_quantized(blocks, qtype, kernel)
             attached += 1
     log.info("%d linear layers multiply by their GGUF blocks at decode batch sizes", attached)
     return attached
@@ -179,7 +183,7 @@ def reload_weights(
     model_dir: str | Path,
     dtype: torch.dtype,
     tp: TensorParallel = SINGLE,
-    quantized: bool = False,
+    quantized: QuantizedWeights = "off",
 ) -> None:
     """Replace ``model``'s weights with ``model_dir``'s in place, so what points at the
     parameters (the runner, captured CUDA graphs) stays valid. The new weights are read into
@@ -202,7 +206,7 @@ def reload_weights(
     for name, layer in model.named_modules():
         new = fresh_layers.get(name)
         if isinstance(layer, Linear) and isinstance(new, Linear) and new.quantized is not None:
-            layer.use_quantized(new.quantized, new.qtype)
+            layer.use_quantized(new.quantized, new.qtype, new.kernel)
 
 
 def _load_tensor(

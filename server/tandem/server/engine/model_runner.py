@@ -181,7 +181,7 @@ class ModelRunner:
         num_qo_heads = tp.divide(model_config.num_attention_heads, "num_attention_heads")
         num_kv_heads = tp.divide(model_config.num_key_value_heads, "num_key_value_heads")
         self.weights_path = config.model  # what wake_up(2) reloads; /update_weights changes it
-        self.quantized = config.quantized_weights == "auto"
+        self.quantized = config.quantized_weights  # auto | exact | int8 | off: the block kernel
         self.model = load_model(config.model, self.dtype, device, tp, self.quantized)
         self.lora = (
             LoraLayers(config.max_loras, device, self.dtype) if config.lora_enabled else None

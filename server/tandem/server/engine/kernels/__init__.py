@@ -3,7 +3,8 @@
 ``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only);
 ``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
 embedding), one pass each instead of several torch ops; ``quant_gemv.c`` multiplies a few rows
-by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (AVX-512 only); ``decode_chain.c`` runs
+by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (AVX-512 only), and ``quant_vnni.c``
+the same product with x quantized to int8 per block, as llama.cpp does (AVX512-VNNI); ``decode_chain.c`` runs
 every decoder layer of a small decode step in one call, chaining the others. ``library.py`` builds and loads them; ``ops.py`` is the typed
 Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for 16-bit
 CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot (no C
@@ -20,6 +21,9 @@ from .ops import (
     paged_decode_for,
     quant_gemv,
     quant_gemv_for,
+    quant_gemv_q8,
+    quant_gemv_q8_for,
+    quant_kernel,
     rms_norm,
     rope_,
     silu_and_mul,
@@ -35,6 +39,9 @@ __all__ = [
     "paged_decode_for",
     "quant_gemv",
     "quant_gemv_for",
+    "quant_gemv_q8",
+    "quant_gemv_q8_for",
+    "quant_kernel",
     "rms_norm",
     "rope_",
     "silu_and_mul",

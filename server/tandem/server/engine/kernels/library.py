@@ -24,8 +24,11 @@ from ..paths import cache_dir
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("paged_decode.c", "layers.c", "quant_gemv.c", "decode_chain.c")]
-HEADERS = [HERE / "convert.h"]
+SOURCES = [
+    HERE / f
+    for f in ("paged_decode.c", "layers.c", "quant_gemv.c", "quant_vnni.c", "decode_chain.c")
+]
+HEADERS = [HERE / f for f in ("convert.h", "quant_blocks.h", "quant_columns.h")]
 # Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
 FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
@@ -43,6 +46,7 @@ SIGNATURES = {
     "rope": [_P, _P, _P, _I, _I, _I, _I, _I64, _I, _I],
     # x, x_stride, blocks, block_row_bytes, y, y_stride, rows, N, K, ggml type, bf16, threads
     "quant_gemv": [_P, _I64, _P, _I64, _P, _I64] + [_I] * 6,
+    "quant_gemv_q8": [_P, _I64, _P, _I64, _P, _I64] + [_I] * 6,  # quant_gemv's, AVX512-VNNI
     # h, layers (chain_layer[]), num_layers, step (chain_step *)
     "decode_chain": [_P, _P, _I, _P],
 }
@@ -64,7 +68,7 @@ def load() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # paged_decode, quant_gemv, decode_chain: AVX-512 only
+        if hasattr(lib, name):  # paged_decode, quant_gemv*, decode_chain: AVX-512 only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
     return lib

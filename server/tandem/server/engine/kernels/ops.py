@@ -132,17 +132,46 @@ def quant_gemv_for(device: torch.device, dtype: torch.dtype) -> bool:
     return cpu_kernels_for(device, dtype) and hasattr(library.load(), "quant_gemv")
 
 
+def quant_gemv_q8_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``quant_gemv_q8`` can (AVX512-VNNI: Ice Lake, Zen 4 and later)."""
+    return cpu_kernels_for(device, dtype) and hasattr(library.load(), "quant_gemv_q8")
+
+
+def quant_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The block kernel a ``quantized_weights`` mode gets here, by its name (the same in
+    ``kernels`` and in the C library): ``int8`` the int8 one where the CPU has VNNI, else the
+    exact one; ``auto`` and ``exact`` the exact one (int8 activations change the default
+    model's greedy tokens: tests/engine/test_quant_gemv.py); None for ``off`` or where
+    neither runs."""
+    if mode == "int8" and quant_gemv_q8_for(device, dtype):
+        return "quant_gemv_q8"
+    if mode in ("auto", "exact", "int8") and quant_gemv_for(device, dtype):
+        return "quant_gemv"
+    return None
+
+
 def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """``x @ W^T`` for W kept as GGUF blocks: x ``[M, K]`` (M <= 8, rows contiguous, float32
     or bfloat16), blocks ``[N, K / 32 * block bytes]`` uint8 of ggml type ``qtype``
-    (``QUANT_BLOCK_BYTES``'s keys); returns ``[M, N]`` in x's dtype."""
+    (``QUANT_BLOCK_BYTES``'s keys); returns ``[M, N]`` in x's dtype. Each weight is rebuilt
+    in float32 as gguf dequantizes it: the dequantized product up to the order of the sums."""
+    return _quant_product("quant_gemv", x, blocks, qtype)
+
+
+def quant_gemv_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``quant_gemv``'s product as llama.cpp computes it: x quantized to 8 bits per block of
+    32 (one scale each), integer dot products (VNNI), so off by x's rounding (``quant_vnni.c``)."""
+    return _quant_product("quant_gemv_q8", x, blocks, qtype)
+
+
+def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     rows, k = x.shape
     if not 1 <= rows <= QUANT_MAX_ROWS or k % QUANT_BLOCK:
-        raise ValueError(f"quant_gemv takes 1..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
+        raise ValueError(f"{name} takes 1..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=x.dtype)
-    library.load().quant_gemv(
+    getattr(library.load(), name)(
         x.data_ptr(),
         x.stride(0),
         blocks.data_ptr(),

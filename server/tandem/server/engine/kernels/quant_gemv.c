@@ -17,19 +17,9 @@
  */
 #ifdef __AVX512F__
 #include <immintrin.h>
-#include <omp.h>
 #include <stdlib.h>
 
-#include "convert.h"
-
-#define INLINE static inline __attribute__((always_inline))
-#define QK 32
-#define MAX_ROWS 8
-#define PARALLEL_WORK 65536 /* below this many weights one thread does it all */
-/* ggml's type ids, as gguf.GGMLQuantizationType numbers them */
-#define Q4_0 2
-#define Q4_1 3
-#define Q8_0 8
+#include "quant_blocks.h"
 
 INLINE float half_at(const uint8_t *p) {
     uint16_t h;
@@ -85,40 +75,8 @@ INLINE void dot_rows(const float *restrict x, const uint8_t *restrict w, float *
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
 }
 
-/* The columns [n0, n1) of y, with rows and qtype constants where it is inlined. */
-INLINE void columns(const float *x, const uint8_t *w, int64_t w_stride, void *y,
-                    int64_t y_stride, int n0, int n1, int K, const int rows, const int qtype,
-                    const int bf16) {
-    const int block_bytes = qtype == Q8_0 ? 34 : (qtype == Q4_1 ? 20 : 18);
-    float out[MAX_ROWS];
-    for (int n = n0; n < n1; n++) {
-        dot_rows(x, w + (int64_t)n * w_stride, out, K, rows, qtype, block_bytes);
-        for (int r = 0; r < rows; r++) store(y, (int64_t)r * y_stride + n, out[r], bf16);
-    }
-}
-
-#define ROWS_CASE(R)                                                                         \
-    case R:                                                                                  \
-        return columns(x, w, w_stride, y, y_stride, n0, n1, K, R, qtype, bf16);
-
-INLINE void columns_for(const float *x, const uint8_t *w, int64_t w_stride, void *y,
-                        int64_t y_stride, int n0, int n1, int K, int rows, const int qtype,
-                        int bf16) {
-    switch (rows) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-        ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-    }
-}
-
-static void columns_any(const float *x, const uint8_t *w, int64_t w_stride, void *y,
-                        int64_t y_stride, int n0, int n1, int K, int rows, int qtype, int bf16) {
-    if (qtype == Q8_0)
-        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q8_0, bf16);
-    else if (qtype == Q4_0)
-        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_0, bf16);
-    else
-        columns_for(x, w, w_stride, y, y_stride, n0, n1, K, rows, Q4_1, bf16);
-}
+#define X_T float
+#include "quant_columns.h"
 
 /* y[rows, N] (rows y_stride elements apart, x's dtype) = x[rows, K] @ W^T; x's rows are
  * x_stride elements apart, W's N rows of K / 32 blocks are w_stride bytes apart. rows <= 8,
@@ -128,16 +86,7 @@ void quant_gemv(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_str
     float *xf = aligned_alloc(64, ((size_t)rows * K * sizeof(float) + 63) / 64 * 64);
     for (int r = 0; r < rows; r++)
         for (int k = 0; k < K; k++) xf[(int64_t)r * K + k] = load(x, (int64_t)r * x_stride + k, bf16);
-    if ((int64_t)N * K <= PARALLEL_WORK || threads <= 1) {
-        columns_any(xf, w, w_stride, y, y_stride, 0, N, K, rows, qtype, bf16);
-    } else {
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
-            columns_any(xf, w, w_stride, y, y_stride, n0, n1, K, rows, qtype, bf16);
-        }
-    }
+    all_columns(xf, w, w_stride, y, y_stride, rows, N, K, qtype, bf16, threads);
     free(xf);
 }
 #endif

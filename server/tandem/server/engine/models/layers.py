@@ -45,27 +45,33 @@ class Linear(nn.Linear):
     A layer loaded from a GGUF file on CPU may also keep the file's Q8_0 / Q4_0 / Q4_1
     blocks (``use_quantized``): up to ``QUANT_ROWS`` rows are multiplied by them (a quarter
     to an eighth of the float32 weight's bytes read per step); more rows, and any weight
-    written since, take the dequantized weight, which stays the reference.
+    written since, take the dequantized weight, which stays the reference. ``kernel`` names
+    the block kernel (``kernels.quant_gemv``, exact, or ``kernels.quant_gemv_q8``, x in int8),
+    the same name in the C library: whatever multiplies this layer's blocks reads it here.
     """
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
     _quantized_for: tuple[int, int] | None = None  # the weight's (pointer, version) it matches
     qtype: int = 0  # the blocks' ggml type id
+    kernel: str = "quant_gemv"  # the function of kernels (and of the C library) they take
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         # a buffer, so that dropping the weights (to_empty on meta) drops the blocks too
         self.register_buffer("quantized", None, persistent=False)
 
-    def use_quantized(self, blocks: torch.Tensor, qtype: int) -> None:
+    def use_quantized(self, blocks: torch.Tensor, qtype: int, kernel: str = "quant_gemv") -> None:
         """Multiply few rows by ``blocks`` (uint8 ``[out, in / 32 * block bytes]`` of ggml
-        type ``qtype``), the blocks the current weight was dequantized from."""
+        type ``qtype``), the blocks the current weight was dequantized from, with ``kernel``
+        (``quant_gemv`` or ``quant_gemv_q8``: ``kernels.quant_kernel``)."""
         row_bytes = self.in_features // kernels.QUANT_BLOCK * kernels.QUANT_BLOCK_BYTES[qtype]
         if blocks.shape != (self.out_features, row_bytes) or blocks.dtype != torch.uint8:
             raise ValueError(
                 f"blocks {tuple(blocks.shape)} do not fit a {self.weight.shape} weight"
             )
-        self.quantized, self.qtype = blocks, qtype
+        if kernel not in ("quant_gemv", "quant_gemv_q8"):
+            raise ValueError(f"no block kernel {kernel!r}")
+        self.quantized, self.qtype, self.kernel = blocks, qtype, kernel
         self._quantized_for = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +85,7 @@ class Linear(nn.Linear):
             and x.shape[0] <= QUANT_ROWS
             and self._quantized_for == (w.data_ptr(), w._version)
         ):
-            y = kernels.quant_gemv(x, self.quantized, self.qtype)
+            y = getattr(kernels, self.kernel)(x, self.quantized, self.qtype)
             return y if bias is None else y + bias
         rows = _PACKED_ROWS.get(w.dtype) if x.device.type == "cpu" and x.dtype == w.dtype else None
         if rows is None or not rows[0] <= x.shape[0] <= rows[1]:

@@ -36,10 +36,10 @@ def _need_chain(tmp_path, monkeypatch) -> None:
         pytest.skip("the decode chain needs the AVX-512 C kernels")
 
 
-def _engine(tiny_models, tmp_path, arch: str, qtype: Q, dtype: str) -> LLM:
+def _engine(tiny_models, tmp_path, arch: str, qtype: Q, dtype: str, mode: str = "auto") -> LLM:
     path = tmp_path / f"{arch}-{qtype.name}.gguf"
     write_gguf(tiny_models[arch], path, encoder(qtype))
-    return LLM(str(path), dtype=dtype, kv_cache_tokens=2048)
+    return LLM(str(path), dtype=dtype, kv_cache_tokens=2048, quantized_weights=mode)
 
 
 def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
@@ -53,8 +53,12 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]
 @pytest.mark.parametrize(
     ("arch", "qtype"), [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_0)]
 )
-def test_chain_equals_the_modules_bit_for_bit(tiny_models, tmp_path, arch, qtype, dtype) -> None:
-    llm = _engine(tiny_models, tmp_path, arch, qtype, dtype)
+@pytest.mark.parametrize("mode", ["auto", "int8"])
+def test_chain_equals_the_modules_bit_for_bit(
+    tiny_models, tmp_path, arch, qtype, dtype, mode
+) -> None:
+    """Under ``int8`` both paths take each layer's int8 kernel: equal to each other still."""
+    llm = _engine(tiny_models, tmp_path, arch, qtype, dtype, mode)
     runner = llm.engine.worker.runner
     chain = runner._chain
     assert chain is not None

@@ -4,7 +4,8 @@ At one to a few rows on a small model, a decode step's time goes mostly to dispa
 fifteen torch ops and kernel calls per layer, each a few microseconds, thirty layers deep. A
 ``DecodeChain`` describes every layer once (weight blocks, norms, KV pages: raw pointers in a
 ctypes array) and each step runs them all in ``kernels/decode_chain.c``, which chains the same
-kernels the modules call, rounding where they round: the hidden states it returns are the
+kernels the modules call (each linear's own block kernel, ``Linear.kernel``: the exact one, or
+the int8 one under ``quantized_weights: int8``), rounding where they round: the hidden states it returns are the
 module path's bit for bit (``tests/engine/test_decode_chain.py``).
 
 A model qualifies when it runs on CPU in float32 or bfloat16 with the C kernels built, every
@@ -40,6 +41,7 @@ class _Layer(ctypes.Structure):
         ("blocks", _P * 4),
         ("block_stride", ctypes.c_int64 * 4),
         ("qtype", _I * 4),
+        ("gemv", _P * 4),
         ("k_pages", _P),
         ("v_pages", _P),
     ]
@@ -62,6 +64,11 @@ class _Step(ctypes.Structure):
 def _linears(layer: torch.nn.Module) -> list[Linear]:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int | None:
+    """The C function ``name`` of the library, as a pointer the chain calls."""
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
 def _from_blocks(linear: Linear) -> bool:
@@ -120,6 +127,7 @@ class DecodeChain:
 
     def _layer(self, i: int, layer: torch.nn.Module) -> _Layer:
         linears = _linears(layer)
+        lib = kernels.library.load()
         k_pages, v_pages = self.kv_cache.layer(i)
         bias = layer.self_attn.qkv_proj.bias
         return _Layer(
@@ -129,6 +137,7 @@ class DecodeChain:
             (_P * 4)(*(lin.quantized.data_ptr() for lin in linears)),
             (ctypes.c_int64 * 4)(*(lin.quantized.stride(0) for lin in linears)),
             (_I * 4)(*(lin.qtype for lin in linears)),
+            (_P * 4)(*(_address(lib, lin.kernel) for lin in linears)),
             k_pages.data_ptr(),
             v_pages.data_ptr(),
         )

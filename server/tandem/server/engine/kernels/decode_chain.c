@@ -20,8 +20,10 @@ void rms_norm(const void *x, void *out, const void *weight, int rows, int dim, i
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int threads);
 void rope(void *x, const void *cos, const void *sin, int tokens, int heads, int head_dim,
           int rotary_dim, int64_t token_stride, int bf16, int threads);
-void quant_gemv(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, void *y,
-                int64_t y_stride, int rows, int N, int K, int qtype, int bf16, int threads);
+/* quant_gemv, or quant_gemv_q8 (int8 x) where the engine asked for it: the layer's own choice */
+typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride,
+                        void *y, int64_t y_stride, int rows, int N, int K, int qtype, int bf16,
+                        int threads);
 void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
@@ -34,6 +36,7 @@ typedef struct { /* one layer's weights (model dtype) and its pages of the KV ca
     const uint8_t *blocks[4];                   /* QKV, O, GATE_UP, DOWN */
     int64_t block_stride[4];                    /* bytes between two output rows' blocks */
     int qtype[4];
+    gemv_fn gemv[4]; /* each linear's block kernel (Linear.kernel) */
     void *k_pages, *v_pages; /* [blocks, block_size, kv_heads, head_dim] */
 } chain_layer;
 
@@ -68,7 +71,7 @@ static void attention(const chain_layer *l, const chain_step *s, char *h, char *
     const int q_size = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
     const int width = q_size + 2 * kv;
     rms_norm(h, xn, l->in_norm, n, H, H, s->eps, bf16, t);
-    quant_gemv(xn, H, l->blocks[QKV], l->block_stride[QKV], qkv, width, n, width, H,
+    l->gemv[QKV](xn, H, l->blocks[QKV], l->block_stride[QKV], qkv, width, n, width, H,
                l->qtype[QKV], bf16, t);
     if (l->qkv_bias)
         for (int r = 0; r < n; r++) add_rows(qkv + (int64_t)r * width * (bf16 ? 2 : 4), l->qkv_bias, width, bf16);
@@ -78,7 +81,7 @@ static void attention(const chain_layer *l, const chain_step *s, char *h, char *
     write_kv(l, s, qkv, width);
     paged_decode(qkv, width, l->k_pages, l->v_pages, attn, q_size, s->tables, s->width, s->lens,
                  n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale, bf16, t);
-    quant_gemv(attn, q_size, l->blocks[O], l->block_stride[O], o, H, n, H, q_size, l->qtype[O],
+    l->gemv[O](attn, q_size, l->blocks[O], l->block_stride[O], o, H, n, H, q_size, l->qtype[O],
                bf16, t);
     add_rows(h, o, (int64_t)n * H, bf16);
 }
@@ -87,10 +90,10 @@ static void mlp(const chain_layer *l, const chain_step *s, char *h, char *xn, ch
                 char *act, char *o) {
     const int bf16 = s->bf16, t = s->threads, n = s->rows, H = s->hidden, I = s->inter;
     rms_norm(h, xn, l->post_norm, n, H, H, s->eps, bf16, t);
-    quant_gemv(xn, H, l->blocks[GATE_UP], l->block_stride[GATE_UP], gate_up, 2 * I, n, 2 * I, H,
+    l->gemv[GATE_UP](xn, H, l->blocks[GATE_UP], l->block_stride[GATE_UP], gate_up, 2 * I, n, 2 * I, H,
                l->qtype[GATE_UP], bf16, t);
     silu_mul(gate_up, act, n, I, bf16, t);
-    quant_gemv(act, I, l->blocks[DOWN], l->block_stride[DOWN], o, H, n, H, I, l->qtype[DOWN],
+    l->gemv[DOWN](act, I, l->blocks[DOWN], l->block_stride[DOWN], o, H, n, H, I, l->qtype[DOWN],
                bf16, t);
     add_rows(h, o, (int64_t)n * H, bf16);
 }

@@ -8,23 +8,15 @@ quantized kernel, models with q/k norm) run the modules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from tandem.server.engine import LLM, SamplingParams, kernels
-from tandem.server.engine.attention.base import SeqShape
 from tandem.server.engine.decode_chain import DecodeChain
 
+from .test_spec_decode import Oracle
 from .utils import encoder, write_gguf
-
-
-@dataclass(frozen=True)
-class _Shape(SeqShape):
-    query_lens: list[int]
-
 
 PROMPTS = ["Hello there, how are you", "The cat sat on", "Once upon a time, in a land far"]
 
@@ -80,8 +72,10 @@ def test_steps_past_the_chain_run_the_modules(tiny_models, tmp_path) -> None:
     """Nine rows: past the quantized kernel's eight, so past the chain; the same tokens."""
     llm = _engine(tiny_models, tmp_path, "llama", Q.Q4_1, "float32")
     prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
-    assert DecodeChain.takes(_Shape([1] * 8)) and not DecodeChain.takes(_Shape([1] * 9))
-    assert not DecodeChain.takes(_Shape([1, 4]))  # a prefill in the step
+    assert DecodeChain.takes([1] * 8, [10] * 8) and not DecodeChain.takes([1] * 9, [10] * 9)
+    assert not DecodeChain.takes([1, 4], [10, 4])  # a fresh prompt in the step
+    assert DecodeChain.takes([1, 5], [10, 20])  # a decode and a verification of 4 proposals
+    assert not DecodeChain.takes([5, 4], [10, 20])  # nine tokens
     got = _generate(llm, prompts)
     llm.engine.worker.runner._chain = None
     assert _generate(llm, prompts) == got
@@ -112,3 +106,27 @@ def test_the_chain_is_dropped_on_sleep_and_built_again_on_wake(
     llm.engine.wake_up()
     assert runner._chain is not None
     assert _generate(llm, PROMPTS) == want
+
+
+def test_speculation_verifies_through_the_chain(tiny_models, tmp_path) -> None:
+    """Verification rows (a sequence's last token and its proposals) run as a chain too, each
+    token attending up to its own position: the same greedy tokens as without speculation
+    (proposals from the reference continuation, one token in three spoiled: ``Oracle``)."""
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_models["llama"], path, encoder(Q.Q4_1))
+    plain = LLM(str(path), kv_cache_tokens=2048)
+    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
+    want = [t for t, _ in _generate(plain, prompts)]
+    spec = LLM(str(path), kv_cache_tokens=2048, speculative_method="ngram")
+    spec.engine.speculator.proposer = Oracle(prompts, want)
+    chain = spec.engine.worker.runner._chain
+    widths = []
+    original = chain.run
+
+    def counted(*args: object) -> torch.Tensor:
+        widths.append(max(args[3]))  # query_lens
+        return original(*args)
+
+    chain.run = counted
+    assert [t for t, _ in _generate(spec, prompts)] == want
+    assert max(widths) > 1  # proposals were verified in the chain

@@ -11,8 +11,12 @@ module path's bit for bit (``tests/engine/test_decode_chain.py``).
 A model qualifies when it runs on CPU in float32 or bfloat16 with the C kernels built, every
 linear of every layer is multiplied from its GGUF blocks (``Linear.use_quantized``), one
 tensor-parallel rank, the in-place attention kernel, and no q/k norm or o/MLP bias (Llama,
-Mistral and Qwen2 do; Qwen3's q/k norm does not). A step qualifies when it is decodes only,
-at most ``kernels.QUANT_MAX_ROWS`` rows, no adapter. Anything else runs the modules.
+Mistral and Qwen2 do; Qwen3's q/k norm does not). A step qualifies with at most
+``kernels.QUANT_MAX_ROWS`` tokens, no fresh prompt and no adapter (``takes``): decodes, and
+speculation's verification rows, which would otherwise lose the chain exactly where
+speculation pays. Anything else runs the modules. Decode rows are the modules' bit for bit; a
+sequence's several new tokens attend as decode rows do (one row each, up to its position),
+where the modules run SDPA: the same attention, summed in another order.
 The chain points at the weights and the KV cache where they are: the runner drops it whenever
 either moves (sleep, new weights) and builds it again on the next step.
 """
@@ -24,7 +28,6 @@ import ctypes
 import torch
 
 from . import kernels
-from .attention.base import SeqShape
 from .kv_cache import KVCache
 from .models.layers import Linear
 from .models.llama import DecoderModel, LlamaForCausalLM
@@ -143,31 +146,38 @@ class DecodeChain:
         )
 
     @staticmethod
-    def takes(inputs: SeqShape) -> bool:
-        """Whether a step of this shape runs as a chain (decodes only, few rows)."""
-        return inputs.is_decode and inputs.num_seqs <= kernels.QUANT_MAX_ROWS
+    def takes(query_lens: list[int], kv_lens: list[int]) -> bool:
+        """Whether a step runs as a chain: at most ``QUANT_MAX_ROWS`` tokens, none of them a
+        fresh prompt's (a sequence with context before its new tokens: decodes, speculation's
+        verification rows, the last short chunk of a prompt)."""
+        return sum(query_lens) <= kernels.QUANT_MAX_ROWS and all(
+            q < n or q == 1 for q, n in zip(query_lens, kv_lens)
+        )
 
     def run(
         self,
         input_ids: list[int],
         positions: list[int],
         slots: list[int],
-        kv_lens: list[int],
+        query_lens: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """The final-norm hidden states of one decode step (``[rows, hidden]``)."""
+        """The final-norm hidden states of one step's tokens (``[tokens, hidden]``). Each token
+        is a row of its own that attends to its sequence's pages up to its own position (every
+        row's K and V are written first), which is causal attention over a few new tokens."""
         h = self.model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64))
         rope = self.model.rotary.tables(torch.tensor(positions, dtype=torch.int64), self.dtype)
-        width = -(-max(kv_lens) // self.kv_cache.block_size)
+        width = -(-(max(positions) + 1) // self.kv_cache.block_size)
+        rows = [t[:width] + [0] * (width - len(t)) for t in block_tables]
         tables = torch.tensor(
-            [t[:width] + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32
+            [table for table, q in zip(rows, query_lens) for _ in range(q)], dtype=torch.int32
         )
-        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         slot_t = torch.tensor(slots, dtype=torch.int64)
         step = _Step(
             rows=len(input_ids),
             width=width,
-            max_len=max(kv_lens),
+            max_len=max(positions) + 1,
             threads=torch.get_num_threads(),
             slots=slot_t.data_ptr(),
             tables=tables.data_ptr(),

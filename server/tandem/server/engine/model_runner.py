@@ -291,7 +291,7 @@ class ModelRunner:
                 inputs.input_ids,
                 inputs.positions,
                 inputs.slots,
-                inputs.kv_lens,
+                inputs.query_lens,
                 inputs.block_tables,
             )
         else:
@@ -310,7 +310,9 @@ class ModelRunner:
 
     @staticmethod
     def _chained(inputs: StepInputs) -> bool:
-        return DecodeChain.takes(inputs) and not any(s >= 0 for s in inputs.lora_slots)
+        if any(s >= 0 for s in inputs.lora_slots):
+            return False
+        return DecodeChain.takes(inputs.query_lens, inputs.kv_lens)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVICE_CIDR = "10.0.0.0/16"  # room for bench/operator.py --count 1000 (one IP per service)
+SERVICE_CIDR = "10.0.0.0/16"  # room for bench/operator_scale.py --count 1000 (one IP per service)
 SERVICE_IP = "10.0.0.1"
 """First address of SERVICE_CIDR: the `kubernetes` Service's ClusterIP."""
 

@@ -1,7 +1,7 @@
 """Operator benchmark on the real control plane (e2e/cluster): apply->Ready latency, and the
 time, CPU and memory the operator needs to reconcile many InferenceServices.
 
-    python bench/operator.py [--count 200] [--latency-runs 3]
+    python bench/operator_scale.py [--count 200] [--latency-runs 3]
 
 It also prints the Ready lag after the pods (the last service's status behind the last
 engine pod's Ready) and the Events posted per service.

@@ -1,6 +1,8 @@
 """The thread tuner: it keeps the count whose steps were fastest and follows a change of load.
 
-Steps are fed made-up durations (no clock): what is tested is the choice, not a timing.
+Steps are fed made-up durations and busy shares (no clock): what is tested is the choice, not
+a timing. ``busy`` is the stepping thread's CPU time over the step's wall time: ~1.0 on cores of
+its own, ~0.5 beside a co-tenant.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ from tandem.server.engine.threads import FIRST_EXPLORE, ThreadTuner, thread_coun
 DECODE = ThreadTuner.kind_of(True, 1)
 
 
-def _steps(tuner: ThreadTuner, seconds: dict[int, float], n: int) -> list[int]:
+QUIET, SHARED = 1.0, 0.5
+
+
+def _steps(
+    tuner: ThreadTuner, seconds: dict[int, float], n: int, busy: float = SHARED
+) -> list[int]:
     chosen = []
     for _ in range(n):
         threads = tuner.choose(DECODE)
-        tuner.record(DECODE, threads, seconds[threads])
+        tuner.record(DECODE, threads, seconds[threads], busy)
         chosen.append(threads)
     return chosen
 
@@ -25,10 +32,17 @@ def test_counts_tried_are_all_half_and_one() -> None:
     assert thread_counts(1) == (1,)
 
 
+def test_on_cores_of_its_own_every_step_takes_all_threads() -> None:
+    """No try of fewer threads while the steps show no co-tenant: on a quiet machine a try is
+    only a loss (a big prefill on one thread of two takes twice as long)."""
+    tuner = ThreadTuner(2)
+    assert _steps(tuner, {2: 0.010, 1: 0.018}, 400, busy=QUIET) == [2] * 400
+
+
 def test_keeps_the_fastest_count_and_tries_the_other_seldom() -> None:
     tuner = ThreadTuner(2)
     chosen = _steps(tuner, {2: 0.010, 1: 0.018}, 400)
-    assert chosen[:2] == [2, 1]  # each count measured once first
+    assert chosen[:2] == [2, 1]  # shared cores: each count measured once first
     assert chosen.count(1) <= 1 + 400 // FIRST_EXPLORE
     assert chosen[-100:].count(2) >= 95
 
@@ -36,10 +50,10 @@ def test_keeps_the_fastest_count_and_tries_the_other_seldom() -> None:
 def test_follows_a_co_tenant_arriving_and_leaving() -> None:
     """Quiet: two threads win; with the cores shared one thread does; quiet again: two."""
     tuner = ThreadTuner(2)
-    _steps(tuner, {2: 0.010, 1: 0.018}, 200)
+    _steps(tuner, {2: 0.010, 1: 0.018}, 200, busy=QUIET)
     loaded = _steps(tuner, {2: 0.080, 1: 0.020}, 200)
     assert loaded[-100:].count(1) >= 95
-    quiet = _steps(tuner, {2: 0.010, 1: 0.018}, 400)
+    quiet = _steps(tuner, {2: 0.010, 1: 0.018}, 400, busy=QUIET)
     assert quiet[-100:].count(2) >= 95
 
 
@@ -51,7 +65,7 @@ def test_kinds_of_step_are_tuned_apart() -> None:
     for _ in range(200):
         for kind, best in ((DECODE, 1), (prefill, 2)):
             threads = tuner.choose(kind)
-            tuner.record(kind, threads, 0.01 if threads == best else 0.05)
+            tuner.record(kind, threads, 0.01 if threads == best else 0.05, SHARED)
             chosen[kind].append(threads)
     assert chosen[DECODE][-100:].count(1) >= 95
     assert chosen[prefill][-100:].count(2) >= 95

@@ -8,6 +8,12 @@ the engine runs, so the tuner times the steps it runs at each thread count and k
 kind of step (prefill or decode, and its size in tokens to a power of two), the count whose
 recent steps were fastest. It tries the others now and then (every ``explore`` steps of that
 kind, twice as seldom each time the choice is confirmed), so it follows the machine.
+
+A try is not free: a 4,096-token prefill on one thread of two takes twice as long. So on all
+threads a kind tries fewer only while its steps show the cores are shared: the stepping
+thread's CPU time over the step's wall time (``busy``) is ~1.0 on cores of its own (it runs
+or spins the whole step) and ~0.5 when a co-tenant takes half of them (measured on 2 cores:
+0.98-1.0 quiet, 0.46-0.50 beside one busy process per core).
 Every C kernel splits its work so its results do not depend on the thread count.
 """
 
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 ALPHA = 0.3  # weight of the newest step in each count's moving average
 FIRST_EXPLORE = 16  # steps of a kind between tries of another count, at first
 MOST_EXPLORE = 1024
+SHARED_BELOW = 0.8  # a step's busy share under which its cores count as shared
 
 
 def thread_counts(most: int) -> tuple[int, ...]:
@@ -33,6 +40,7 @@ class _Kind:
     steps: int = 0
     every: int = FIRST_EXPLORE
     chosen: int = 0
+    shared: bool = False  # the newest step on the chosen count found its cores shared
 
 
 class ThreadTuner:
@@ -46,8 +54,10 @@ class ThreadTuner:
 
     def choose(self, kind: tuple[bool, int]) -> int:
         """The thread count for the next step of ``kind``."""
-        k = self._kinds.setdefault(kind, _Kind())
+        k = self._kinds.setdefault(kind, _Kind(chosen=self.counts[0]))
         k.steps += 1
+        if k.chosen == self.counts[0] and not k.shared:
+            return k.chosen
         untried = [c for c in self.counts if c not in k.seconds]
         if untried:
             return untried[0]
@@ -57,10 +67,15 @@ class ThreadTuner:
             return others[(k.steps // k.every) % len(others)]
         return best
 
-    def record(self, kind: tuple[bool, int], threads: int, seconds: float) -> None:
-        """A step of ``kind`` took ``seconds`` on ``threads``: the chosen count's average moves
-        toward it; a tried count's figure is replaced (its old one may be from another load)."""
+    def record(
+        self, kind: tuple[bool, int], threads: int, seconds: float, busy: float = 1.0
+    ) -> None:
+        """A step of ``kind`` took ``seconds`` on ``threads``, its stepping thread on a core for
+        ``busy`` of them: the chosen count's average moves toward it; a tried count's figure is
+        replaced (its old one may be from another load)."""
         k = self._kinds[kind]
+        if threads == k.chosen:
+            k.shared = busy < SHARED_BELOW
         old = k.seconds.get(threads)
         fresh = old is None or threads != k.chosen
         k.seconds[threads] = seconds if fresh else old + ALPHA * (seconds - old)

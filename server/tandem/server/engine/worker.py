@@ -12,12 +12,14 @@ engine sees one device either way. On one CPU rank the thread count of each step
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import replace
 
 import torch
 
 from .config import EngineConfig
+from .host_process import settle_cpu_process
 from .lora.adapter import LoraAdapter
 from .model_runner import ModelRunner, StepInputs, prepare_inputs
 from .models.config import ModelConfig
@@ -54,6 +56,8 @@ class Worker:
             if base_device.type == "cpu" and self._ranks is None and torch.get_num_threads() > 1
             else None
         )
+        if base_device.type == "cpu":
+            settle_cpu_process()
 
     def execute(
         self, batch: ScheduledBatch, lora_slots: list[int] | None = None
@@ -83,9 +87,10 @@ class Worker:
         threads = tuner.choose(kind)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = self.runner.run_pooled(inputs)
-        tuner.record(kind, threads, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        tuner.record(kind, threads, seconds, (time.thread_time() - cpu) / max(seconds, 1e-9))
         return out
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
@@ -121,6 +126,7 @@ class Worker:
         ranks, self._ranks = self._ranks, None
         if ranks is not None:
             ranks.close()
+        gc.unfreeze()  # what settle_cpu_process froze may now be garbage
 
 
 def resolve_device(name: str) -> torch.device:

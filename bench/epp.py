@@ -23,7 +23,7 @@ the picker's exchange), ``engine`` (the request's last byte out to the response'
 in) and ``in envoy`` (first byte in to last byte out); and the CPU time per request of each
 ``ext_proc`` server's process and each Envoy.
 
-    python bench/epp.py [--requests 400] [--warmup 100]
+    python bench/epp.py [--requests 400] [--warmup 100] [--pause-ms 0]
 """
 
 from __future__ import annotations
@@ -150,9 +150,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(
-    gateways: dict[str, str], path: str, body: dict, n: int, warmup: int
+    gateways: dict[str, str], path: str, body: dict, n: int, warmup: int, pause: float = 0.0
 ) -> dict[str, list[float]]:
-    """Milliseconds per request on each gateway, rotating which goes first."""
+    """Milliseconds per request on each gateway, rotating which goes first; ``pause``
+    seconds idle after each request (what the last one left running, the engine's work
+    after its answer or the picker's end of the exchange, then does not overlap the next)."""
     clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in gateways.items()}
     times: dict[str, list[float]] = {name: [] for name in gateways}
     names = list(gateways)
@@ -164,6 +166,7 @@ def measure(
             start = time.perf_counter()
             clients[name].post(path, json=body).raise_for_status()
             times[name].append((time.perf_counter() - start) * 1000)
+            time.sleep(pause)
     for c in clients.values():
         c.close()
     return times
@@ -216,7 +219,8 @@ def run_kind(kind: str, gateways: dict, servers: dict[str, int], args, logs: Pat
     done = {name: len(log_lines(logs / f"{name}.log")) for name in gateways}
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     print(f"load average before {kind}: {os.getloadavg()}")
-    times = measure({n: g.url for n, g in gateways.items()}, path, body, args.requests, args.warmup)
+    urls = {name: g.url for name, g in gateways.items()}
+    times = measure(urls, path, body, args.requests, args.warmup, args.pause_ms / 1000)
     used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     report(kind, times)
     spans = {
@@ -231,6 +235,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--pause-ms", type=float, default=0.0, help="idle after each request")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-epp-"))
     engine = ServerProcess(make_model(work / "models"), *ENGINE_FLAGS, log_path=work / "e.log")

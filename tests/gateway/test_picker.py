@@ -19,6 +19,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.server.picker.choice import Picker, PickerConfig
+from tandem.server.picker.scrape import EngineMetrics, parse_metrics
 from tandem.server.picker.server import PickerSettings, running_picker
 from tandem.server.picker.service import ExternalProcessor
 from tandem.server.proxy.registry import Registry
@@ -282,3 +283,51 @@ def test_a_5xx_reprobes_the_engine_the_gateway_says_served() -> None:
     assert probed[-1] == ["http://" + chosen]
     answered(b"200", "10.0.0.3:8000")
     assert len(probed) == 2
+
+
+def test_the_scrape_reads_the_protocols_gauges_and_nothing_else() -> None:
+    """Only the protocol's families reach the parser (the engine's histograms are skipped
+    unparsed); a family whose name merely begins with a protocol name is not read as it;
+    labelled series add up (one per model)."""
+    text = (
+        "# HELP tandem_step_seconds step time\n# TYPE tandem_step_seconds histogram\n"
+        'tandem_step_seconds_bucket{le="0.1"} 3.0\ntandem_step_seconds_bucket{le="+Inf"} 3.0\n'
+        "tandem_step_seconds_count 3.0\ntandem_step_seconds_sum 0.2\n"
+        "# HELP vllm:num_requests_waiting_by_priority not the queue\n"
+        "# TYPE vllm:num_requests_waiting_by_priority gauge\n"
+        "vllm:num_requests_waiting_by_priority 9.0\n"
+        "# HELP vllm:num_requests_waiting Requests waiting\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="a"} 2.0\n'
+        'vllm:num_requests_waiting{model_name="b"} 1.0\n'
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4.0\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="256"} 1.0\n'
+    )
+    assert parse_metrics(text) == EngineMetrics(
+        waiting=3, running=4, kv_usage=0.25, block_size=16, num_blocks=256
+    )
+    assert parse_metrics("# TYPE tandem_step_seconds histogram\n") == EngineMetrics()
+
+
+def test_released_picks_count_until_their_horizon_then_are_dropped() -> None:
+    """A pick released with no answer counts as load until a scrape begun after it, or
+    ``UNSCRAPED_SECONDS`` at most; the count is kept pruned, not re-summed."""
+    from tandem.server.picker import choice
+
+    registry = _registry()
+    picker = Picker(registry, PickerConfig())
+    node = registry.get(ENGINES[0])
+    routes = [
+        picker.choose("/v1/completions", b'{"model": "tiny"}', frozenset({"10.0.0.1:8000"}))
+        for _ in range(3)
+    ]
+    assert all(isinstance(r, choice.Route) for r in routes)
+    for r in routes:
+        picker.release(r, answered=False)
+    assert node.inflight == 0 and picker.load(node) == 3
+    picker._released[node.url][0] -= choice.UNSCRAPED_SECONDS + 1  # the oldest is past it
+    assert picker.load(node) == 2 and len(picker._released[node.url]) == 2
+    picker.scraped(node.url, started=time.monotonic())
+    assert picker.load(node) == 0

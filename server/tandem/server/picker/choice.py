@@ -13,6 +13,7 @@ import hashlib
 import json
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,12 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+def _drop_before(released: deque[float], horizon: float) -> None:
+    """Forget the releases before ``horizon`` (``released`` is in time order)."""
+    while released and released[0] < horizon:
+        released.popleft()
+
+
 class Picker:
     """Chooses engines and keeps what the proxy keeps to choose well: the prompt chunks sent
     to each engine (prefix affinity) and the requests in flight there (load)."""
@@ -116,8 +123,10 @@ class Picker:
         self.sessions = routing.SessionTable()
         self._turn = routing.round_robin_counter()
         self._clock = clock
-        # per engine url: when each pick whose exchange has ended was released (monotonic)
-        self._released: dict[str, list[float]] = {}
+        # per engine url: when each pick whose exchange has ended was released (monotonic,
+        # oldest first: ``load`` drops those past ``UNSCRAPED_SECONDS`` from the left, so
+        # counting them costs no more per request as the request rate grows)
+        self._released: dict[str, deque[float]] = {}
         # Probe these engines now (the server wires the health poller's ``reprobe``).
         self.suspect: Callable[[list[str]], None] = lambda urls: None
         registry.on_remove(self._forget)
@@ -177,7 +186,7 @@ class Picker:
         request counts as load until a scrape begun after now shows it (``scraped``)."""
         route.node.inflight = max(0, route.node.inflight - 1)
         if not answered:
-            self._released.setdefault(route.node.url, []).append(time.monotonic())
+            self._released.setdefault(route.node.url, deque()).append(time.monotonic())
 
     def scraped(self, url: str, started: float) -> None:
         """A scrape of ``url`` begun at ``started`` (monotonic) answered: the engine's own
@@ -185,14 +194,15 @@ class Picker:
         An engine that is never scraped keeps them for ``UNSCRAPED_SECONDS`` at most."""
         released = self._released.get(url)
         if released:
-            horizon = max(started, time.monotonic() - UNSCRAPED_SECONDS)
-            released[:] = [t for t in released if t >= horizon]
+            _drop_before(released, max(started, time.monotonic() - UNSCRAPED_SECONDS))
 
     def load(self, node: Node) -> int:
         """``engine_load`` with the picks released there and not yet scraped."""
-        released = self._released.get(node.url, ())
-        horizon = time.monotonic() - UNSCRAPED_SECONDS
-        return engine_load(node, sum(1 for t in released if t >= horizon))
+        released = self._released.get(node.url)
+        if not released:
+            return engine_load(node)
+        _drop_before(released, time.monotonic() - UNSCRAPED_SECONDS)
+        return engine_load(node, len(released))
 
     def _forget(self, node: Node) -> None:
         self.prefix.forget(node.url)

@@ -57,6 +57,10 @@ class ThreadTuner:
             return others[(k.steps // k.every) % len(others)]
         return best
 
+    def chosen(self, kind: tuple[bool, int]) -> int:
+        """The count ``kind``'s steps run on when not trying another (0 before any)."""
+        return self._kinds[kind].chosen
+
     def record(self, kind: tuple[bool, int], threads: int, seconds: float) -> None:
         """A step of ``kind`` took ``seconds`` on ``threads``: the chosen count's average moves
         toward it; a tried count's figure is replaced (its old one may be from another load)."""

@@ -1,16 +1,19 @@
 """How many tokens a step should verify: a step's cost as a function of its rows, against the
 tokens each proposed row is expected to return.
 
-A decode step costs ``1`` (one row) plus ``row_cost`` for each further row while the step
-stays on one code path. Where a step is bound by reading the weights (a GPU, or float32 on a
-CPU) a further row is nearly free; where it is bound by compute (a GGUF model's Q4_1 blocks
-on a CPU, ``models.layers.QUANT_ROWS`` rows at most) one costs about a quarter of a one-row
-step, and past ``max_rows`` the step falls onto the dequantized weights, several times the
-bytes read. So speculation only adds rows while they pay: the ``j``-th proposed token of a
-request whose tokens are each accepted with probability ``a`` returns ``a ** j`` tokens on
-average, and a row is worth adding while that is more than the step's current cost per
-expected token times ``row_cost`` (adding it raises tokens / cost). A step whose other rows
-already exceed ``max_rows`` gets no proposals at all, so speculation never slows a full batch.
+A decode step of ``n`` rows costs ``step(n)`` one-row steps, read from the worker's measured
+``StepCurve`` (seconds by rows, ``step_curve.py``) and, until that has two row counts, from a
+constant: ``1 + row_cost * (n - 1)``. Where a step is bound by reading the weights (a GPU, or
+float32 on a CPU) a further row is nearly free; where it is bound by compute (a GGUF model's
+Q4_1 blocks on a CPU, ``models.layers.QUANT_ROWS`` rows at most) one costs a good part of a
+one-row step, and past ``max_rows`` the step falls onto the dequantized weights, several
+times the bytes read. So speculation only adds rows while they pay: the ``j``-th proposed
+token of a request whose tokens are each accepted with probability ``a`` returns ``a ** j``
+tokens on average, and a row is worth adding while that is more than the step's current cost
+per expected token times the row's cost (adding it raises tokens / cost). A step whose other
+rows already exceed ``max_rows`` gets no proposals at all, so speculation never slows a full
+batch; a request whose estimate is established pays for its first row like any other
+(``Draft.free``), so one that keeps missing stops costing rows.
 """
 
 from __future__ import annotations

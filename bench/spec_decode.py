@@ -13,8 +13,10 @@ Tandem runs the shipped model (the Q4_1 GGUF ``tandem serve`` loads by default);
 CPU, the peer ``bench/vllm_peer.py`` builds) runs the same model as a float32 HF folder with
 its own n-gram speculation (``prompt_lookup_min`` 2, ``max`` 4, 4 tokens, as Tandem's), on
 ``edit`` only. Each engine, with and without speculation, runs in its own process; the two
-alternate run by run and each keeps its best. A concurrency ``c`` is one wave of ``c``
-requests added at once. ITL is each request's (last token - first token) / (tokens - 1),
+alternate run by run and each keeps its best, after one unmeasured run of the row each (the
+thread tuner's tries), over at least ``--repeats`` rounds and more while a row's runs took
+under ``ROW_SECONDS`` (short rows are otherwise noise). A concurrency ``c`` is one wave of
+``c`` requests added at once. ITL is each request's (last token - first token) / (tokens - 1),
 averaged (tokens that arrive together share the time between arrivals). On a shared, noisy
 machine only the ratios of one invocation mean anything; the CPU-seconds ratio (each side's
 process tree, user + system) is printed beside the wall-clock one.
@@ -64,6 +66,9 @@ INSTRUCTIONS = [
 ]
 EDIT_TOKENS = 160
 RANDOM_TOKENS = 128
+# Each row runs until both sides' runs took this many seconds (and ``--repeats`` rounds).
+ROW_SECONDS = 30.0
+MAX_ROUNDS = 12
 
 
 def edit_messages(num: int) -> list[list[dict[str, str]]]:
@@ -216,13 +221,25 @@ class Child:
 
 
 def compare(off: Child, on: Child, workload: str, c: int, repeats: int) -> dict:
-    """Both alternate run by run; each keeps its best run. Outputs must agree (greedy)."""
+    """Both alternate run by run; each keeps its best run. Outputs must agree (greedy).
+
+    First one unmeasured run each: the engine's thread tuner tries every thread count on a
+    shape of step it has not seen (one thread on a 16-prompt prefill is several times slower),
+    and a row of two runs would keep one of those tries. Then at least ``repeats`` rounds, and
+    more (``MAX_ROUNDS`` at most) until the row's runs took ``ROW_SECONDS`` in all: a row of
+    one-second runs is otherwise decided by whichever side a burst of load hit, so short rows
+    get as many chances at their best as long ones."""
+    for child_ in (off, on):  # unmeasured: the thread tuner tries its counts on new shapes
+        child_.run(workload, c)
     best: dict[str, dict] = {}
-    for r in range(repeats):
+    spent, r = 0.0, 0
+    while r < repeats or (spent < ROW_SECONDS and r < MAX_ROUNDS):
         for child_ in (off, on) if r % 2 == 0 else (on, off):
             out = child_.run(workload, c)
+            spent += out["seconds"]
             if child_.name not in best or out["seconds"] < best[child_.name]["seconds"]:
                 best[child_.name] = out
+        r += 1
     a, b = best[off.name], best[on.name]
     same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
     row = {

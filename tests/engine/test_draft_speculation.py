@@ -32,13 +32,14 @@ from .utils import PROMPTS
 
 def draft_llm(model_dir: Path, draft: Path, **kw: object) -> LLM:
     """An engine speculating with ``draft``; its passes counted free, so proposals run long
-    (a tiny draft's embeddings weigh about what the target's whole weights do)."""
+    (a tiny draft's embeddings weigh about what the target's whole weights do), and its plans
+    by the cost model's constants, not the steps' measured times."""
     args: dict = dict(kv_cache_tokens=16384, block_size=16)
     args.update(kw)
     llm = LLM(str(model_dir), speculative_method="draft", speculative_model=str(draft), **args)
     spec = llm.engine.speculator
     assert 0 < spec.cost.pass_cost <= 1  # the draft's weights against the target's
-    spec.cost = replace(spec.cost, pass_cost=0.0)
+    spec.cost = replace(spec.cost, pass_cost=0.0, curve=None)  # constants: no timing
     return llm
 
 

@@ -11,6 +11,7 @@ step mixes accepted runs, rejections and rows without a proposal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -60,7 +61,14 @@ def spec_llm(model_dir: Path, oracle: Oracle | None = None, **kw: object) -> LLM
     llm = LLM(str(model_dir), **args)
     if oracle is not None:
         llm.engine.speculator.proposer = oracle
+    constant_costs(llm.engine)
     return llm
+
+
+def constant_costs(engine: LLMEngine) -> None:
+    """Plans by the cost model's constants, not by the steps' measured times: what a test
+    verifies must not depend on how fast its machine ran the steps."""
+    engine.speculator.cost = dataclasses.replace(engine.speculator.cost, curve=None)
 
 
 def accepted_and_rejected(engine: LLMEngine) -> tuple[int, int]:
@@ -357,6 +365,7 @@ def test_pd_decode_engine_speculates(pd, llama_dir: Path) -> None:
     )
     decode = LLMEngine(cfg)
     decode.speculator.proposer = Oracle([prompt], [ref.token_ids])
+    constant_costs(decode)
     handle = prefill_handoff(prefill, "p", prompt, params)
     decode.add_request("d", prompt, params, kv_transfer=handle)
     decode.step()

@@ -87,7 +87,7 @@ class LLMEngine:
 
     def _speculator(self) -> Speculator:
         """Speculative decoding's proposer and verifier, hooked into the scheduler."""
-        draft, cost = None, step_cost(self.worker.runner.model)
+        draft, cost = None, step_cost(self.worker.runner.model, self.worker.step_curve)
         if self.config.speculative_method == "draft":
             draft = DraftModel(self.config, self.model_config, self.device)
             cost = dataclasses.replace(cost, pass_cost=draft.pass_cost)

@@ -67,6 +67,10 @@ class ThreadTuner:
             return others[(k.steps // k.every) % len(others)]
         return best
 
+    def chosen(self, kind: tuple[bool, int]) -> int:
+        """The count ``kind``'s steps run on when not trying another."""
+        return self._kinds[kind].chosen
+
     def record(
         self, kind: tuple[bool, int], threads: int, seconds: float, busy: float = 1.0
     ) -> None:

@@ -29,6 +29,7 @@ from .prompt_logprobs import fold_prompt_logprobs, prompt_spans, span_rows
 from .request import Request
 from .sampler import draw_uniform
 from .scheduler import ScheduledBatch
+from .step_curve import StepCurve
 from .threads import ThreadTuner
 
 
@@ -56,6 +57,9 @@ class Worker:
             if base_device.type == "cpu" and self._ranks is None and torch.get_num_threads() > 1
             else None
         )
+        # Decode and verification steps' seconds by rows, for speculation's cost model; on a
+        # CPU only, where a step's time is its own (an accelerator's launches return early).
+        self.step_curve = StepCurve() if base_device.type == "cpu" else None
         if base_device.type == "cpu":
             settle_cpu_process()
 
@@ -79,18 +83,25 @@ class Worker:
         return logits, hidden, sampling
 
     def _run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward pass, on the thread count the tuner picks for a step of its kind."""
-        tuner = self._threads
-        if tuner is None:
-            return self.runner.run_pooled(inputs)
-        kind = tuner.kind_of(inputs.is_decode, len(inputs.input_ids))
-        threads = tuner.choose(kind)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        """The forward pass, on the thread count the tuner picks for a step of its kind; a
+        step of sampled rows only (decodes, verification) run on the chosen count is timed
+        into the step curve (a tuner's try of another count is not what steps cost)."""
+        tuner, usual = self._threads, True
+        if tuner is not None:
+            kind = tuner.kind_of(inputs.is_decode, len(inputs.input_ids))
+            threads = tuner.choose(kind)
+            usual = threads == tuner.chosen(kind)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         start, cpu = time.perf_counter(), time.thread_time()
         out = self.runner.run_pooled(inputs)
         seconds = time.perf_counter() - start
-        tuner.record(kind, threads, seconds, (time.thread_time() - cpu) / max(seconds, 1e-9))
+        if tuner is not None:
+            busy = (time.thread_time() - cpu) / max(seconds, 1e-9)
+            tuner.record(kind, threads, seconds, busy)
+        sampled_only = len(inputs.logits_rows) == len(inputs.input_ids) and not inputs.hidden_rows
+        if self.step_curve is not None and usual and sampled_only:
+            self.step_curve.record(len(inputs.input_ids), seconds)
         return out
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:

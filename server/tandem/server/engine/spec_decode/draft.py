@@ -17,6 +17,11 @@ MAX_SKIP = 31
 DECAY = 0.8
 # The estimate before anything was verified (one accepted and one rejected token, as if seen).
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
+# Verified proposals before the estimate is trusted: until then a first row is free.
+ESTABLISHED = 4
+# Steps without a verified proposal after which a first row is free again (a probe), so an
+# estimate that fell below what a row costs can recover.
+PROBE_EVERY = 16
 
 
 @dataclass(eq=False)
@@ -27,6 +32,14 @@ class Draft:
     misses: int = 0  # proposals in a row with nothing accepted
     hits: float = PRIOR_HITS  # accepted tokens, decayed
     trials: float = PRIOR_TRIALS  # tokens checked (every accepted one, and the first rejected)
+    verified: int = 0  # proposals verified
+    idle: int = 0  # steps since the last verified proposal
+
+    @property
+    def free(self) -> bool:
+        """Whether this step's first proposed row is given whatever it is worth: the estimate
+        is not established yet, or a probe is due."""
+        return self.verified < ESTABLISHED or self.idle >= PROBE_EVERY
 
     @property
     def acceptance(self) -> float:
@@ -35,6 +48,7 @@ class Draft:
 
     def next_length(self, most: int) -> int:
         """How many tokens to propose this step (0: skip this one)."""
+        self.idle += 1
         if self.skip:
             self.skip -= 1
             return 0
@@ -43,6 +57,7 @@ class Draft:
     def record(self, proposed: int, accepted: int, most: int) -> None:
         """A proposal of ``proposed`` tokens was verified with ``accepted`` of them kept."""
         self.length = most if accepted == proposed else max(1, accepted + 1)
+        self.verified, self.idle = self.verified + 1, 0
         self.hits = DECAY * self.hits + accepted
         self.trials = DECAY * self.trials + accepted + (accepted < proposed)
         if accepted:

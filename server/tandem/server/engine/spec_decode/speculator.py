@@ -71,8 +71,9 @@ class Speculator:
         finds worth their rows, never past a request's ``max_tokens`` or the context, and only
         what its grammar allows."""
         caps = [self._most_for(req) for req in requests]
-        acceptance = [req.sampling.draft.acceptance for req in requests]
-        lengths = self.cost.plan(rows, caps, acceptance, budget)
+        drafts = [req.sampling.draft for req in requests]
+        acceptance = [d.acceptance for d in drafts]
+        lengths = self.cost.plan(rows, caps, acceptance, budget, [d.free for d in drafts])
         if self.draft_model is not None:
             proposals = self.draft_model.propose(requests, lengths)
         else:

@@ -59,8 +59,9 @@ class Worker:
         )
         # Decode and verification steps' seconds by rows, for speculation's cost model; on a
         # CPU only, where a step's time is its own (an accelerator's launches return early).
-        self.step_curve = StepCurve() if base_device.type == "cpu" else None
+        self.step_curve: StepCurve | None = None
         if base_device.type == "cpu":
+            self.step_curve = StepCurve()
             settle_cpu_process()
 
     def execute(
@@ -97,8 +98,7 @@ class Worker:
         out = self.runner.run_pooled(inputs)
         seconds = time.perf_counter() - start
         if tuner is not None:
-            busy = (time.thread_time() - cpu) / max(seconds, 1e-9)
-            tuner.record(kind, threads, seconds, busy)
+            tuner.record(kind, threads, seconds, (time.thread_time() - cpu) / seconds)
         sampled_only = len(inputs.logits_rows) == len(inputs.input_ids) and not inputs.hidden_rows
         if self.step_curve is not None and usual and sampled_only:
             self.step_curve.record(len(inputs.input_ids), seconds)

@@ -100,10 +100,10 @@ class Linear(nn.Linear):
 QUANT_ROWS = kernels.QUANT_MAX_ROWS
 
 
-# The dtypes whose products take the packed weight. Measured on both CPUs this project runs on
-# (Sapphire Rapids, Zen 4; python bench/linear_dispatch.py), it is as fast as MKL's sgemm or
-# faster at every row count in float32 (on Zen 4 1.2x on prefill-sized batches, 1.3-2x at a
-# few rows, 2x on the lm_head's 49k outputs) and in 16-bit floats.
+# The dtypes whose products take the packed weight, at every row count. On Sapphire Rapids
+# MKL's sgemm was only as fast at one row and on prefill-sized batches; on Zen 4 (python
+# bench/linear_dispatch.py) the packed product is faster there too in float32 (1.2x on a
+# 4,096-row prefill, 2x on the lm_head's 49k outputs) and never slower in bf16.
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -14,6 +14,11 @@ threads a kind tries fewer only while its steps show the cores are shared: the s
 thread's CPU time over the step's wall time (``busy``) is ~1.0 on cores of its own (it runs
 or spins the whole step) and ~0.5 when a co-tenant takes half of them (measured on 2 cores:
 0.98-1.0 quiet, 0.46-0.50 beside one busy process per core).
+
+A count's first step of a kind is not a measure: it pays what is done once (weights faulted in
+from the model file and packed on first use, kernels made for a new shape, 4.5x a step of the
+default model's 117-token prefill), so it is run and not recorded. Recorded, it made one thread
+look faster and kept that kind's prefills on one thread until the next try.
 Every C kernel splits its work so its results do not depend on the thread count.
 """
 
@@ -41,6 +46,7 @@ class _Kind:
     every: int = FIRST_EXPLORE
     chosen: int = 0
     shared: bool = False  # the newest step on the chosen count found its cores shared
+    warmed: set[int] = field(default_factory=set)  # counts whose first step has run
 
 
 class ThreadTuner:
@@ -78,6 +84,9 @@ class ThreadTuner:
         ``busy`` of them: the chosen count's average moves toward it; a tried count's figure is
         replaced (its old one may be from another load)."""
         k = self._kinds[kind]
+        if threads not in k.warmed:
+            k.warmed.add(threads)
+            return
         if threads == k.chosen:
             k.shared = busy < SHARED_BELOW
         old = k.seconds.get(threads)

@@ -435,6 +435,19 @@ def test_acceptance_estimate_follows_recent_proposals() -> None:
     assert d.acceptance < 0.35  # the misses weigh one token each, a full run four
 
 
+def test_acceptance_is_estimated_apart_after_a_whole_and_after_a_broken_proposal() -> None:
+    """An edit copies in runs: after a proposal kept whole the next one mostly is too, while
+    the first after a break often misses; one estimate for both would price the runs at the
+    breaks' rate."""
+    d = Draft()
+    for _ in range(8):  # runs of five whole proposals, each broken by an edit
+        for proposed, accepted in [(4, 4)] * 5 + [(4, 1), (4, 0), (4, 0)]:
+            d.record(proposed, accepted, 4)
+    assert not d.whole and d.acceptance < 0.75  # after a break: two of three missed
+    d.record(4, 4, 4)
+    assert d.whole and d.acceptance > 0.9  # in a run: all but the edit's token agree
+
+
 def test_config_is_checked_at_the_edge() -> None:
     for bad in (
         dict(speculative_method="eagle"),

@@ -36,11 +36,17 @@ def test_the_seed_stands_until_two_row_counts_are_measured() -> None:
     assert curve_cost({2: 0.010, 4: 0.012}, 3, seed) == pytest.approx(1.1 * 1.25)
 
 
-def test_a_row_is_never_negative_work() -> None:
+def test_noise_is_fitted_away_and_a_row_is_never_negative_work() -> None:
     noisy = {1: 0.010, 2: 0.013, 3: 0.012, 4: 0.016}
     costs = [curve_cost(noisy, n, seed) for n in range(1, 7)]
     assert costs == sorted(costs)
-    assert costs[2] == pytest.approx(1.3)  # the dip is raised to the point before it
+    # least squares: slope 0.0017 s a row, 0.0102 s at one row
+    assert costs[2] == pytest.approx(0.0136 / 0.0102)
+    # a dear point measured once weighs little beside well-measured ones
+    dear = {1: 0.010, 2: 0.011, 3: 0.020, 4: 0.013}
+    once = curve_cost(dear, 3, seed, {1: 32, 2: 32, 3: 1, 4: 32})
+    assert once < curve_cost(dear, 3, seed) and once == pytest.approx(1.2, abs=0.05)
+    assert curve_cost({1: 0.010, 2: 0.009, 3: 0.008}, 3, seed) == 1.0  # falling: flat
 
 
 def test_the_curve_is_a_moving_average_per_row_count() -> None:
@@ -50,7 +56,8 @@ def test_the_curve_is_a_moving_average_per_row_count() -> None:
     # Row counts past ``upto`` (another code path) are left out of the cost.
     c = curve({1: 0.010, 2: 0.011, 9: 0.100})
     assert c.cost(8, seed, upto=8) == pytest.approx(1.7)
-    assert c.cost(2, seed) == pytest.approx(1.1)
+    assert c.cost(2, seed, upto=8) == pytest.approx(1.1)
+    assert c.cost(2, seed) > 1.1  # 9 rows' dear step in the fit
 
 
 def test_a_measured_curve_moves_the_plan() -> None:

@@ -8,9 +8,6 @@ good guess for what comes next now, and guessing costs a scan of the tokens, no 
 
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
 # The n-grams tried, longest first: a 1-gram matches almost anywhere (and misses as often);
 # longer ones are rarer but their continuations are right far more often.
 MIN_NGRAM = 2
@@ -21,18 +18,34 @@ def propose_ngram(
     token_ids: list[int], k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM
 ) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n`` tokens
-    of ``token_ids`` (``n`` from ``max_n`` down to ``min_n``); [] when none occurred before."""
-    if k <= 0 or len(token_ids) <= min_n:
+    of ``token_ids`` (``n`` from ``max_n`` down to ``min_n``); [] when none occurred before.
+
+    It runs for every decoding request on every step that may propose, mostly to find nothing
+    (random text), so it walks only the earlier occurrences of the last token (``list.index``
+    finds each in C) and measures how far back each agrees: a few microseconds where numpy's
+    sliding windows over the whole sequence took ~0.2 ms a call."""
+    size = len(token_ids)
+    if k <= 0 or size <= min_n:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    size = len(tokens)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # Windows starting before size - n: every earlier occurrence, never the suffix itself.
-        windows = sliding_window_view(tokens[: size - 1], n)
-        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
-        if hits.size:
-            return _continue(token_ids, int(hits[-1]) + n, k)
-    return []
+    last, best_n, best_end, end = token_ids[-1], 0, -1, -1
+    while True:
+        try:  # an occurrence ending before the last token, never the suffix itself
+            end = token_ids.index(last, end + 1, size - 1)
+        except ValueError:
+            break
+        n = _agreeing(token_ids, end, max_n)
+        if n >= best_n:  # the longest n-gram, and its latest occurrence
+            best_n, best_end = n, end
+    return _continue(token_ids, best_end + 1, k) if best_n >= min_n else []
+
+
+def _agreeing(token_ids: list[int], end: int, most: int) -> int:
+    """How many tokens ending at ``end`` equal those ending the sequence (at most ``most``)."""
+    tail = len(token_ids) - 1
+    n = 1
+    while n < most and n <= end and token_ids[end - n] == token_ids[tail - n]:
+        n += 1
+    return n
 
 
 def _continue(token_ids: list[int], start: int, k: int) -> list[int]:

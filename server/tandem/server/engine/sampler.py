@@ -109,6 +109,13 @@ def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
+def stateless(req: Request) -> bool:
+    """Whether ``req``'s token for a row depends on that row's logits alone, not on the tokens
+    drawn before it (greedy; no penalties, bias, grammar or ``min_tokens`` still to reach):
+    speculation may then sample all its rows in one pass."""
+    return not _changes(req) and req.sampling.grammar is None
+
+
 def _changes(req: Request) -> bool:
     p = req.params
     return (

@@ -8,6 +8,9 @@ and appends the token through the engine's own path (stop checks, detokenizer, g
 request goes on to round ``j + 1`` only while its sampled token equals the proposed one, so
 row ``j + 1`` was computed on exactly the tokens the request now holds; the first token that
 differs (or the one after the whole proposal) is the target's own, and a stop ends it at once.
+A request whose draw reads nothing but its row's logits (``sampler.stateless``: greedy, no
+penalties, bias, grammar or ``min_tokens`` to reach) has all its rows sampled in one pass
+before the rounds, which then take those tokens: the same ones, one sampler call a step.
 
 Every emitted token is the target's draw from its own distribution given the tokens before it
 (one uniform from the request's generator per token, as without speculation), so greedy output
@@ -30,8 +33,8 @@ from collections.abc import Callable
 import torch
 
 from ..kv_cache_manager import KVCacheManager
-from ..request import Request
-from ..sampler import SamplerOutput, sample
+from ..request import Request, TokenLogprob
+from ..sampler import RowError, SamplerOutput, sample, stateless
 from ..stats import Totals
 from .cost import StepCost
 from .draft_model import DraftModel
@@ -104,11 +107,17 @@ class Speculator:
         for req in requests:
             starts.append(row)
             row += 1 + len(req.sampling.draft.token_ids)
+        ahead = _sample_ahead(logits, requests, starts)
         live, j = list(range(len(requests))), 0
         accepted = [0] * len(requests)
         while live:
             reqs = [requests[i] for i in live]
-            out = sample(logits[[starts[i] + j for i in live]], reqs)
+            later = [i for i in live if (i, j) not in ahead]
+            if later:
+                drawn = sample(logits[[starts[i] + j for i in later]], [requests[i] for i in later])
+                ahead |= {(i, j): _pick(drawn, n) for n, i in enumerate(later)}
+            picks = [ahead[i, j] for i in live]
+            out = SamplerOutput(*(list(field) for field in zip(*picks)))
             take(reqs, out)
             agreeing = []
             for i, token in zip(live, out.token_ids):
@@ -141,6 +150,32 @@ class Speculator:
         req.sampling.draft.token_ids = []
         if not req.status.finished:
             self.kv.trim(req)
+
+
+Pick = tuple[int | None, TokenLogprob | None, RowError | None]
+
+
+def _pick(out: SamplerOutput, row: int) -> Pick:
+    return out.token_ids[row], out.logprobs[row], out.errors[row]
+
+
+def _sample_ahead(
+    logits: torch.Tensor, requests: list[Request], starts: list[int]
+) -> dict[tuple[int, int], Pick]:
+    """Every row of the proposing requests whose draws are ``stateless``, sampled in one pass
+    (a round each costs a sampler call: ~0.18 ms a round, up to five rounds a step), by
+    (request, row): the same tokens the rounds would draw, as nothing a row's draw reads
+    changes between rounds."""
+    rows = [
+        (i, j)
+        for i, req in enumerate(requests)
+        if req.sampling.draft.token_ids and stateless(req)
+        for j in range(1 + len(req.sampling.draft.token_ids))
+    ]
+    if not rows:
+        return {}
+    out = sample(logits[[starts[i] + j for i, j in rows]], [requests[i] for i, _ in rows])
+    return {row: _pick(out, n) for n, row in enumerate(rows)}
 
 
 def _grammar_allows(req: Request, tokens: list[int]) -> list[int]:

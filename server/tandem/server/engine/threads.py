@@ -19,6 +19,7 @@ A count's first step of a kind is not a measure: it pays what is done once (weig
 from the model file and packed on first use, kernels made for a new shape, 4.5x a step of the
 default model's 117-token prefill), so it is run and not recorded. Recorded, it made one thread
 look faster and kept that kind's prefills on one thread until the next try.
+
 Every C kernel splits its work so its results do not depend on the thread count.
 """
 

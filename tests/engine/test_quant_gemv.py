@@ -108,6 +108,23 @@ def test_quant_gemv_is_the_dequantized_product(
         assert ((got.double() - want).abs() <= bound).all(), (rows, qtype.name)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (257, 576), (131, 1536)])
+def test_a_rows_product_is_the_same_bits_beside_other_rows(
+    qtype: GGMLQuantizationType, n: int, k: int
+) -> None:
+    """Speculation's verification rows are exact only if a row's product does not depend on
+    how many rows share the step (greedy output is then what one row a step gives): every
+    row count, odd N (a column pair's leftover), the same bits as that row alone."""
+    blocks = torch.from_numpy(random_blocks(qtype, n, k, seed=n + k))
+    x = torch.randn(kernels.QUANT_MAX_ROWS, k, generator=torch.Generator().manual_seed(k))
+    alone = torch.cat(
+        [kernels.quant_gemv(x[r : r + 1], blocks, qtype.value) for r in range(len(x))]
+    )
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(kernels.quant_gemv(x[:rows], blocks, qtype.value), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (33, 576), (257, 576), (131, 1536)])

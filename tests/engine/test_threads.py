@@ -80,5 +80,7 @@ def test_a_counts_first_step_of_a_kind_is_not_a_measure() -> None:
     thread."""
     tuner = ThreadTuner(2)
     threads = tuner.choose(DECODE)
-    tuner.record(DECODE, threads, 0.100, busy=SHARED)
+    # the worker keeps a step the tuner does not count out of its step curve too
+    assert tuner.record(DECODE, threads, 0.100, busy=SHARED) is False
+    assert tuner.record(DECODE, tuner.choose(DECODE), 0.010, busy=QUIET) is True
     assert _steps(tuner, {2: 0.010, 1: 0.018}, 50, busy=QUIET) == [2] * 50

@@ -80,14 +80,15 @@ class ThreadTuner:
 
     def record(
         self, kind: tuple[bool, int], threads: int, seconds: float, busy: float = 1.0
-    ) -> None:
+    ) -> bool:
         """A step of ``kind`` took ``seconds`` on ``threads``, its stepping thread on a core for
         ``busy`` of them: the chosen count's average moves toward it; a tried count's figure is
-        replaced (its old one may be from another load)."""
+        replaced (its old one may be from another load). Returns whether the step was a
+        measure (not the count's first step of the kind), for other timings to skip alike."""
         k = self._kinds[kind]
         if threads not in k.warmed:
             k.warmed.add(threads)
-            return
+            return False
         if threads == k.chosen:
             k.shared = busy < SHARED_BELOW
         old = k.seconds.get(threads)
@@ -99,3 +100,4 @@ class ThreadTuner:
                 k.every = min(2 * k.every, MOST_EXPLORE)
         else:
             k.chosen, k.every = best, FIRST_EXPLORE
+        return True

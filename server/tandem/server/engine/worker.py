@@ -86,7 +86,8 @@ class Worker:
     def _run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass, on the thread count the tuner picks for a step of its kind; a
         step of sampled rows only (decodes, verification) run on the chosen count is timed
-        into the step curve (a tuner's try of another count is not what steps cost)."""
+        into the step curve (a tuner's try of another count is not what steps cost, nor is a
+        count's first step, which the tuner does not count either)."""
         tuner, usual = self._threads, True
         if tuner is not None:
             kind = tuner.kind_of(inputs.is_decode, len(inputs.input_ids))
@@ -98,7 +99,8 @@ class Worker:
         out = self.runner.run_pooled(inputs)
         seconds = time.perf_counter() - start
         if tuner is not None:
-            tuner.record(kind, threads, seconds, (time.thread_time() - cpu) / seconds)
+            measured = tuner.record(kind, threads, seconds, (time.thread_time() - cpu) / seconds)
+            usual = usual and measured
         sampled_only = len(inputs.logits_rows) == len(inputs.input_ids) and not inputs.hidden_rows
         if self.step_curve is not None and usual and sampled_only:
             self.step_curve.record(len(inputs.input_ids), seconds)

@@ -1,5 +1,6 @@
 /* The loop over output columns the two block GEMVs (quant_gemv.c, quant_vnni.c) share, with
- * its dispatch to constant rows and type and its OpenMP split. Include it after defining X_T (what a file's dot_rows reads of x) and
+ * its dispatch to constant rows and type and its OpenMP split. Include it after defining X_T
+ * (what a file's dot_rows reads of x) and
  *   dot_rows(const X_T *x, const uint8_t *w, float *out, int K, rows, qtype, block_bytes):
  * out[r] = row r of x . the column whose blocks start at w. */
 #pragma once
@@ -10,7 +11,19 @@ INLINE void columns(const X_T *x, const uint8_t *w, int64_t w_stride, void *y, i
                     int n0, int n1, int K, const int rows, const int qtype, const int bf16) {
     const int block_bytes = qtype == Q8_0 ? 34 : (qtype == Q4_1 ? 20 : 18);
     float out[MAX_ROWS];
-    for (int n = n0; n < n1; n++) {
+    int n = n0;
+#ifdef PAIRS_FOR /* the file has dot_rows_pair: columns two at a time where it pays */
+    if (PAIRS_FOR(qtype, rows))
+        for (float out1[MAX_ROWS]; n + 1 < n1; n += 2) {
+            dot_rows_pair(x, w + (int64_t)n * w_stride, w + (int64_t)(n + 1) * w_stride, out,
+                          out1, K, rows, qtype, block_bytes);
+            for (int r = 0; r < rows; r++) {
+                store(y, (int64_t)r * y_stride + n, out[r], bf16);
+                store(y, (int64_t)r * y_stride + n + 1, out1[r], bf16);
+            }
+        }
+#endif
+    for (; n < n1; n++) {
         dot_rows(x, w + (int64_t)n * w_stride, out, K, rows, qtype, block_bytes);
         for (int r = 0; r < rows; r++) store(y, (int64_t)r * y_stride + n, out[r], bf16);
     }

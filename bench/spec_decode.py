@@ -11,7 +11,7 @@ first layers, ``tandem make-draft``), and n-gram on vLLM's CPU build, with Tande
 
 Tandem runs the shipped model (the Q4_1 GGUF ``tandem serve`` loads by default); vLLM (0.32.0
 CPU, the peer ``bench/vllm_peer.py`` builds) runs the same model as a float32 HF folder with
-its own n-gram speculation (``prompt_lookup_min`` 2, ``max`` 4, 4 tokens, as Tandem's), on
+its own n-gram speculation (``prompt_lookup_min`` 1, ``max`` 4, 4 tokens, as Tandem's), on
 ``edit`` only. Each engine, with and without speculation, runs in its own process; the two
 alternate run by run and each keeps its best, after one unmeasured run of the row each (the
 thread tuner's tries), over at least ``--repeats`` rounds and more while a row's runs took
@@ -164,7 +164,7 @@ def _vllm_child(model: str, spec: str | None, tokens: int):
     speculative = {
         "method": "ngram",
         "num_speculative_tokens": tokens,
-        "prompt_lookup_min": 2,
+        "prompt_lookup_min": 1,
         "prompt_lookup_max": 4,
     }
     llm = LLM(

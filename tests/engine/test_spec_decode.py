@@ -24,7 +24,7 @@ from tandem.server.engine import LLM, LLMEngine, SamplingParams
 from tandem.server.engine.config import ConfigError, EngineConfig
 from tandem.server.engine.spec_decode.cost import QUANTIZED_ROW_COST, StepCost
 from tandem.server.engine.spec_decode.draft import MAX_SKIP, Draft
-from tandem.server.engine.spec_decode.ngram import propose_ngram
+from tandem.server.engine.spec_decode.ngram import MAX_NGRAM, propose_ngram
 from tandem.server.engine.structured import GrammarSpec
 
 from ..disagg.utils import drain_one, prefill_handoff, run_pulls
@@ -42,7 +42,8 @@ class Oracle:
     def __init__(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
         self.known = list(zip(prompts, continuations))
 
-    def __call__(self, token_ids: list[int], k: int) -> list[int]:
+    def __call__(self, token_ids: list[int], k: int) -> tuple[list[int], int]:
+        """The proposal, as a lookup's longest match (``MAX_NGRAM``: not a weak one)."""
         for prompt, cont in self.known:
             if token_ids[: len(prompt)] == prompt and len(token_ids) - len(prompt) <= len(cont):
                 done = len(token_ids) - len(prompt)
@@ -51,8 +52,8 @@ class Oracle:
                 out = list(cont[done : done + k])
                 if done % 3 == 1 and out:
                     out[len(out) // 2] = (out[len(out) // 2] + 1) % 256
-                return out
-        return []
+                return out, MAX_NGRAM if out else 0
+        return [], 0
 
 
 def spec_llm(model_dir: Path, oracle: Oracle | None = None, **kw: object) -> LLM:
@@ -230,7 +231,7 @@ def test_structured_output_checks_each_proposed_token(llama: Path) -> None:
     # A proposal is cut where the grammar stops allowing it, before the model computes it.
     engine = spec_llm(llama).engine
     seven, brace = engine.tokenizer.encode("7")[-1], engine.tokenizer.encode("}")[-1]
-    engine.speculator.proposer = lambda ids, k: [seven, brace, seven][:k]
+    engine.speculator.proposer = lambda ids, k: ([seven, brace, seven][:k], MAX_NGRAM)
     digits = SamplingParams(
         temperature=0.0, max_tokens=40, structured=GrammarSpec("regex", "[0-9]{60}")
     )
@@ -264,12 +265,12 @@ def test_rejection_sampling_keeps_the_target_distribution(llama: Path) -> None:
     llm = spec_llm(llama)
     calls = []
 
-    def propose(ids: list[int], k: int) -> list[int]:
+    def propose(ids: list[int], k: int) -> tuple[list[int], int]:
         """The likeliest second token, or every other time the least likely of the top 4."""
         if len(ids) != len(prompt) + 1:
-            return []
+            return [], 0
         calls.append(1)
-        return [int(dist(ids).topk(top_k).indices[len(calls) % 2 * (top_k - 1)])]
+        return [int(dist(ids).topk(top_k).indices[len(calls) % 2 * (top_k - 1)])], MAX_NGRAM
 
     llm.engine.speculator.proposer = propose
     params = [
@@ -378,14 +379,17 @@ def test_pd_decode_engine_speculates(pd, llama_dir: Path) -> None:
 
 # ----- the parts ----------------------------------------------------------------------------
 def test_ngram_lookup_proposes_what_followed_the_latest_match() -> None:
-    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
-    assert propose_ngram([9, 2, 3, 7, 1, 2, 3, 8, 6, 2, 3], 2) == [8, 6]  # the latest one
-    assert propose_ngram([1, 2, 3, 4, 5, 6, 7], 3) == []
-    assert propose_ngram([5, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2, 3]  # a period
-    assert propose_ngram([7, 7, 7], 4) == [7, 7, 7, 7]
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3) == ([4, 5, 1], 3)
+    assert propose_ngram([9, 2, 3, 7, 1, 2, 3, 8, 6, 2, 3], 2) == ([8, 6], 2)  # the latest one
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7], 3) == ([], 0)
+    assert propose_ngram([5, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 5) == ([3, 4, 1, 2, 3], 4)  # a period
+    assert propose_ngram([7, 7, 7], 4) == ([7, 7, 7, 7], 2)
     # the longest n-gram wins over a later shorter one
-    assert propose_ngram([4, 1, 2, 9, 8, 1, 2, 6, 4, 1, 2], 1) == [9]
-    assert propose_ngram([1, 2, 1, 2], 0) == []
+    assert propose_ngram([4, 1, 2, 9, 8, 1, 2, 6, 4, 1, 2], 1) == ([9], 3)
+    assert propose_ngram([1, 2, 1, 2], 0) == ([], 0)
+    # the last token alone: a weak match, what picks a copy up again right after an edit
+    assert propose_ngram([5, 6, 7, 8, 9, 3, 6], 2) == ([7, 8], 1)
+    assert propose_ngram([5, 6, 7, 8, 9, 3, 6], 2, min_n=2) == ([], 0)
 
 
 def test_proposal_length_adapts_to_acceptance() -> None:
@@ -446,6 +450,22 @@ def test_acceptance_is_estimated_apart_after_a_whole_and_after_a_broken_proposal
     assert not d.whole and d.acceptance < 0.75  # after a break: two of three missed
     d.record(4, 4, 4)
     assert d.whole and d.acceptance > 0.9  # in a run: all but the edit's token agree
+
+
+def test_a_weak_match_is_priced_by_its_own_estimate_and_never_backs_the_lookup_off() -> None:
+    """A 1-gram match guesses: its misses must neither lower the estimate longer matches are
+    priced by, nor make the request skip steps, and it gets no free row."""
+    d = Draft()
+    d.record(4, 3, 4)
+    strong = d.acceptance
+    d.weak = True
+    assert not d.free and d.acceptance == 0.5  # its own prior
+    for _ in range(5):
+        d.record(2, 0, 4)
+    assert d.acceptance < 0.1 and d.skip == 0 and d.misses == 0 and d.verified == 1
+    d.weak = False
+    assert d.free and d.acceptance == strong  # untouched by the weak misses
+    assert d.next_length(4) == 4
 
 
 def test_config_is_checked_at_the_edge() -> None:

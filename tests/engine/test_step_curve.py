@@ -110,7 +110,7 @@ def test_the_worker_times_verification_steps_into_the_curve(tiny_models: dict[st
     of one request, all sampled) feed alongside plain decodes."""
     llm = LLM(str(tiny_models["llama"]), kv_cache_tokens=2048, speculative_method="ngram")
     assert llm.engine.speculator.cost.curve is llm.engine.worker.step_curve
-    llm.engine.speculator.proposer = lambda ids, k: [ids[-1]] * k  # always a guess
+    llm.engine.speculator.proposer = lambda ids, k: ([ids[-1]] * k, 2)  # always a guess
     prompt = list(range(5, 21))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm.generate([prompt], params)

@@ -37,12 +37,14 @@ from ..request import Request, TokenLogprob
 from ..sampler import RowError, SamplerOutput, sample, stateless
 from ..stats import Totals
 from .cost import StepCost
+from .draft import Draft
 from .draft_model import DraftModel
-from .ngram import propose_ngram
+from .ngram import STRONG_NGRAM, propose_ngram
 
 TakeSamples = Callable[[list[Request], SamplerOutput], None]
-# Proposes up to k tokens to follow a sequence's tokens (``propose_ngram``'s signature).
-Proposer = Callable[[list[int], int], list[int]]
+# Up to k tokens to follow a sequence's tokens and the length of the match they come from
+# (``propose_ngram``'s signature): one shorter than STRONG_NGRAM is a weak proposal.
+Proposer = Callable[[list[int], int], tuple[list[int], int]]
 
 
 class Speculator:
@@ -72,18 +74,26 @@ class Speculator:
         """Tokens to verify after each decoding request's last one this step (at most
         ``budget`` in all, in a step of ``rows`` rows so far): as many as the step's cost model
         finds worth their rows, never past a request's ``max_tokens`` or the context, and only
-        what its grammar allows."""
+        what its grammar allows. A lookup runs first (it costs microseconds), so rows go only to
+        requests that found something, priced by what kind of match it was."""
         caps = [self._most_for(req) for req in requests]
         drafts = [req.sampling.draft for req in requests]
-        acceptance = [d.acceptance for d in drafts]
-        lengths = self.cost.plan(rows, caps, acceptance, budget, [d.free for d in drafts])
         if self.draft_model is not None:
-            proposals = self.draft_model.propose(requests, lengths)
+            proposals = self.draft_model.propose(requests, self._plan(rows, caps, drafts, budget))
         else:
-            proposals = [
-                self.proposer(r.all_token_ids, k) if k else [] for r, k in zip(requests, lengths)
+            found = [
+                self.proposer(r.all_token_ids, cap) if cap else ([], 0)
+                for r, cap in zip(requests, caps)
             ]
+            for draft, (_, n) in zip(drafts, found):
+                draft.weak = 0 < n < STRONG_NGRAM
+            lengths = self._plan(rows, [len(tokens) for tokens, _ in found], drafts, budget)
+            proposals = [tokens[:k] for (tokens, _), k in zip(found, lengths)]
         return [_grammar_allows(r, p) for r, p in zip(requests, proposals)]
+
+    def _plan(self, rows: int, caps: list[int], drafts: list[Draft], budget: int) -> list[int]:
+        acceptance = [d.acceptance for d in drafts]
+        return self.cost.plan(rows, caps, acceptance, budget, [d.free for d in drafts])
 
     def release(self, req: Request) -> None:
         """A request ended: the draft model's blocks for it go back."""

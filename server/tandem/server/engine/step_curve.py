@@ -11,12 +11,13 @@ Costs are read, in one-row steps, off the lower convex hull of those averages fr
 lowest point on (flat before it, linear between its corners, along its last segment beyond):
 on a shared machine noise only ever adds time, so the lowest points are the truest, and a
 convex curve (each further row costing at least what the one before did) is what lets the
-cost model add rows greedily, stopping at the first that does not pay. Read point by point, the curve's noise decided plans: a row count
-measured dear on a noisy moment made the plan stop short of it, and it was never measured
-again (the default model's ``edit`` bench proposed three tokens a step where four paid); a
-straight line fitted to all counts mispriced curves that are flat and then rise (weights read
-once for a few rows, compute past that). Below the first measured count the seed (the cost
-model's constant) gives the shape; with fewer than two counts measured it stands alone.
+cost model add rows greedily, stopping at the first that does not pay. Read point by point,
+the curve's noise decided plans: a row count measured dear on a noisy moment made the plan
+stop short of it, and it was never measured again (the default model's ``edit`` bench
+proposed three tokens a step where four paid); a straight line fitted to all counts mispriced
+curves that are flat and then rise (weights read once for a few rows, compute past that).
+Below the first measured count the seed (the cost model's constant) gives the shape; with
+fewer than two counts measured it stands alone.
 """
 
 from __future__ import annotations

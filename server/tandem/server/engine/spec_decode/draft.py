@@ -13,8 +13,8 @@ nearly every token agrees), while one that follows a rejection starts after a ch
 lookup did not foresee. One estimate for both priced the long runs at the misses' rate and
 proposed two tokens where four were kept (the default model's ``edit`` bench). The third is
 a lookup that matched the last token only (``weak``): right after an edit it is what finds the
-copy again, in other text it is a guess; its own estimate keeps the second from costing rows
-the first earns (and such a proposal is never given a free row: it pays by its estimate).
+copy again, in other text it is a guess; its own estimate keeps those guesses from being
+priced at what longer matches earn (and it is never given a free row: it pays by its estimate).
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@
 #define PARALLEL_READ 262144 /* K elements a step reads below which one thread does it all */
 #define INLINE static inline __attribute__((always_inline))
 #define TILE 16
+/* Rows asked for ahead of the one read, into L2: the pages lie scattered, so the hardware's
+ * streams stop at each page and a row cold in DRAM stalls the core (a decode step's cache is
+ * read once, straight from memory); asking 32 rows ahead doubled bfloat16's rows per second. */
+#define AHEAD 32
 /* Fixed-size arrays (not sized by the arguments) so that, with group and chunks known where
  * attend is inlined, the compiler keeps the ones it indexes in registers. */
 #define MAX_GROUP 16
@@ -103,6 +107,12 @@ INLINE const char *next_row(Rows *r) {
     return row;
 }
 
+/* The next row of r into L2 (AHEAD), its `bytes` a line at a time. */
+INLINE void prefetch_row(Rows *r, int bytes) {
+    const char *row = next_row(r);
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+}
+
 /* One (sequence, KV head) pair: `group` query heads of `chunks` * 16 values attend to `len`
  * cached tokens. scores: group rows of `stride` (len rounded up to TILE) floats. */
 INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
@@ -121,8 +131,13 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
             for (int c = 0; c < chunks; c++)
                 qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
     }
+    const int row_bytes = (int)(dim * elem);
+    Rows keys_ahead = keys, values_ahead = values;
+    for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&keys_ahead, row_bytes);
     for (int t0 = 0; t0 < len; t0 += TILE) {
         int n = len - t0 < TILE ? len - t0 : TILE;
+        for (int t = t0 + AHEAD; t < t0 + AHEAD + TILE && t < len; t++)
+            prefetch_row(&keys_ahead, row_bytes);
         __mmask16 real = (__mmask16)((1u << n) - 1);
         __m512 k[TILE][MAX_CHUNKS];
         __m512i kb[TILE][MAX_CHUNKS / 2];
@@ -160,7 +175,9 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
         __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
         for (int t = 0; t < stride; t += TILE) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
     }
+    for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&values_ahead, row_bytes);
     for (int t = 0; t < len; t++) {
+        if (t + AHEAD < len) prefetch_row(&values_ahead, row_bytes);
         const char *row = next_row(&values);
         __m512 v[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++) v[c] = load16(row + c * 16 * elem, bf16);

@@ -18,7 +18,7 @@ from tandem.server.engine import kernels
 from tandem.server.engine.attention import BatchLayout, TorchAttentionBackend
 from tandem.server.engine.kv_cache import KVCache
 
-H, H_KV, D, BS, BLOCKS = 6, 2, 16, 4, 256
+H, H_KV, D, BS, BLOCKS = 6, 2, 32, 4, 256  # D: the narrowest the C kernels take
 
 
 def _reference(cache, layout, q, k, v, scale):
@@ -89,8 +89,11 @@ SCENARIOS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_place", [False, True], ids=["gather", "c-kernel"])
 def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place: bool) -> None:
+    """``c-kernel``: decodes in ``kernels.paged_decode`` and, in bfloat16 where the CPU has
+    AVX512-BF16, prefills in ``kernels.prefill_attention``."""
     if in_place and not kernels.paged_decode_for(torch.device("cpu"), dtype, D):
         pytest.skip("the C decode kernel needs AVX-512 and a C compiler")
+    prefill_kernel = in_place and kernels.prefill_attention_for(torch.device("cpu"), dtype, D)
     seqs, shared = SCENARIOS[name]
     layout, q, k, v = _scenario(seqs, shared, seed=len(name))
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H_KV, head_dim=D)
@@ -101,7 +104,7 @@ def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place:
         cache.data[0].double(), layout, q.double(), k.double(), v.double(), scale
     )
     got = (
-        TorchAttentionBackend(cache, scale, in_place=in_place)
+        TorchAttentionBackend(cache, scale, in_place=in_place, prefill_kernel=prefill_kernel)
         .plan(layout)
         .forward(0, q.to(dtype), k.to(dtype), v.to(dtype))
     )

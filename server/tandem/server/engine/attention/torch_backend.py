@@ -5,7 +5,8 @@ compiler), they all go to one call of ``kernels.paged_decode``, which reads thei
 place. Elsewhere their pages are gathered and attended with two ``bmm`` calls per group, and
 the pages every decode of a group shares at the start of its block table (a common system
 prompt, ``n > 1`` siblings) are gathered and attended once for all of them. Prefills run one
-``scaled_dot_product_attention`` call each, so no prompt pays for another's padding.
+``scaled_dot_product_attention`` call each, so no prompt pays for another's padding; in
+bfloat16 on a CPU with AVX512-BF16, one call each of ``kernels.prefill_attention`` instead.
 """
 
 from __future__ import annotations
@@ -63,16 +64,25 @@ class _InPlaceDecodes:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """``in_place``: decodes use the C kernel (default: where it supports the cache)."""
+    """``in_place``: decodes use the C kernel; ``prefill_kernel``: prefills use the bfloat16
+    C kernel instead of SDPA (each by default where it supports the cache)."""
 
     name = "torch"
 
-    def __init__(self, kv_cache: KVCache, scale: float, in_place: bool | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        scale: float,
+        in_place: bool | None = None,
+        prefill_kernel: bool | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
-        if in_place is None:
-            in_place = kernels.paged_decode_for(kv_cache.device, kv_cache.dtype, kv_cache.head_dim)
-        self.in_place = in_place
+        where = (kv_cache.device, kv_cache.dtype, kv_cache.head_dim)
+        self.in_place = kernels.paged_decode_for(*where) if in_place is None else in_place
+        if prefill_kernel is None:
+            prefill_kernel = kernels.prefill_attention_for(*where)
+        self.prefill_kernel = prefill_kernel
 
     def plan(self, layout: BatchLayout) -> AttentionStep:
         starts = [0]
@@ -89,7 +99,14 @@ class TorchAttentionBackend(AttentionBackend):
         prefills = [
             self._prefill(layout, starts[i], i) for i, n in enumerate(layout.query_lens) if n > 1
         ]
-        return _TorchStep(self.kv_cache, layout.slot_mapping, decodes, prefills, self.scale)
+        return _TorchStep(
+            self.kv_cache,
+            layout.slot_mapping,
+            decodes,
+            prefills,
+            self.scale,
+            self.prefill_kernel,
+        )
 
     def _prefill(self, layout: BatchLayout, start: int, i: int) -> _Prefill:
         q_len, kv_len = layout.query_lens[i], layout.kv_lens[i]
@@ -142,12 +159,14 @@ class _TorchStep(AttentionStep):
         decodes: list[_Decodes | _InPlaceDecodes],
         prefills: list[_Prefill],
         scale: float,
+        prefill_kernel: bool,
     ) -> None:
         self.kv_cache = kv_cache
         self.slot_mapping = slot_mapping
         self.decodes = decodes
         self.prefills = prefills
         self.scale = scale
+        self.prefill_kernel = prefill_kernel
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -166,6 +185,11 @@ class _TorchStep(AttentionStep):
                 kp, vp = k[p.start : p.end], v[p.start : p.end]
             else:
                 kp, vp = _gather_pages(pages, p.blocks, p.kv_len, q.dtype)
+            if self.prefill_kernel:
+                kernels.prefill_attention(
+                    q[p.start : p.end], kp, vp, self.scale, out[p.start : p.end]
+                )
+                continue
             o = F.scaled_dot_product_attention(
                 qp,
                 kp.transpose(0, 1).unsqueeze(0),

@@ -26,9 +26,16 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [
     HERE / f
-    for f in ("paged_decode.c", "layers.c", "quant_gemv.c", "quant_vnni.c", "decode_chain.c")
+    for f in (
+        "paged_decode.c",
+        "prefill_attention.c",
+        "layers.c",
+        "quant_gemv.c",
+        "quant_vnni.c",
+        "decode_chain.c",
+    )
 ]
-HEADERS = [HERE / f for f in ("convert.h", "quant_blocks.h", "quant_columns.h")]
+HEADERS = [HERE / f for f in ("convert.h", "vector16.h", "quant_blocks.h", "quant_columns.h")]
 # Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
 FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
@@ -38,6 +45,9 @@ SIGNATURES = {
     # q, q_stride, k, v, out, out_stride, tables, width, lens, batch, heads, kv_heads, dim,
     # block_size, max_len, scale, bf16, threads
     "paged_decode": [_P, _I64, _P, _P, _P, _I64, _P, _I, _P] + [_I] * 6 + [_F, _I, _I],
+    # q, q_stride, k, v, kv_stride, out, out_stride, q_len, kv_len, heads, kv_heads, dim, scale,
+    # threads (bfloat16 with AVX512-BF16 only)
+    "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64] + [_I] * 5 + [_F, _I],
     # x, out, weight, rows, dim, x_stride, eps, bf16, threads
     "rms_norm": [_P, _P, _P, _I, _I, _I64, _F, _I, _I],
     # gate_up, out, rows, inter, bf16, threads
@@ -68,7 +78,8 @@ def load() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # paged_decode, quant_gemv*, decode_chain: AVX-512 only
+        if hasattr(lib, name):  # paged_decode, quant_gemv*, decode_chain: AVX-512 only;
+            # prefill_attention: AVX512-BF16
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
     return lib

@@ -69,6 +69,57 @@ def paged_decode(
     )
 
 
+def prefill_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``prefill_attention`` can serve these tensors (bfloat16, AVX512-BF16)."""
+    return (
+        dtype == torch.bfloat16
+        and cpu_kernels_for(device, dtype)
+        and hasattr(library.load(), "prefill_attention")
+        and head_dim % 32 == 0
+        and head_dim <= 256
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """One sequence's causal attention, written into ``out``.
+
+    q, out: ``[q_len, H, D]``; k, v: ``[kv_len, H_kv, D]`` (rows of the step's q|k|v, or
+    gathered pages), read where they lie when each row holds its heads contiguous (and k and
+    v lie alike), copied otherwise. Query i sits at position ``kv_len - q_len + i`` and
+    attends to the keys up to it.
+    """
+    q_len, heads, dim = q.shape
+    kv_len, kv_heads, _ = k.shape
+    if not _heads_in_rows(q):
+        q = q.contiguous()
+    if k.stride() != v.stride() or not _heads_in_rows(k):
+        k, v = k.contiguous(), v.contiguous()
+    if not _heads_in_rows(out):
+        raise ValueError("out's rows must hold their heads contiguous")
+    library.load().prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        q_len,
+        kv_len,
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        torch.get_num_threads(),
+    )
+
+
+def _heads_in_rows(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension in HuggingFace's order (see ``models/layers.RMSNorm``)."""
     rows = x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous().view(-1, x.shape[-1])

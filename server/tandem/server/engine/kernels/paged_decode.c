@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "convert.h"
+#include "vector16.h"
 
 #define PARALLEL_READ 262144 /* K elements a step reads below which one thread does it all */
 #define INLINE static inline __attribute__((always_inline))
@@ -43,34 +44,6 @@ INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 #define HAVE_DPBF16 0
 INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return acc; } /* never called */
 #endif
-
-/* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN). */
-INLINE void store16(char *p, __m512 x, const int bf16) {
-    if (!bf16) return _mm512_storeu_ps(p, x);
-    __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
-}
-
-/* exp(x) for a vector, Cephes' polynomial as in convert.h, 2^n applied by vscalefps. */
-INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 
 /* Lane i of the result is the sum of the lanes of v[i]. */
 INLINE __m512 sum_each(__m512 v[TILE]) {

@@ -130,20 +130,21 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         (32, 4, 4, 1, 9),
     ],
 )
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_matches_float64(
-    head_dim: int, heads: int, kv_heads: int, q_len: int, kv_len: int
+    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, q_len: int, kv_len: int
 ) -> None:
     """Causal over the step's own q|k|v rows (strided views, as the model hands them), and a
     chunk after cached tokens (query i at position kv_len - q_len + i); row counts not a
     multiple of the kernel's block of four; the specialised head sizes and the generic one."""
-    if not kernels.prefill_attention_for(torch.device("cpu"), torch.bfloat16, head_dim):
-        pytest.skip("the C prefill kernel needs AVX512-BF16")
+    if not kernels.prefill_attention_for(torch.device("cpu"), dtype, head_dim):
+        pytest.skip("the C prefill kernel needs AVX-512 (and AVX512-BF16 in bfloat16)")
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = _rand(kv_len, width, dtype=torch.bfloat16, seed=5) / 3
+    qkv = _rand(kv_len, width, dtype=dtype, seed=5) / 3
     q = qkv[kv_len - q_len :, : heads * head_dim].view(q_len, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(kv_len, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(kv_len, kv_heads, head_dim)
-    out = torch.empty(q_len, heads, head_dim, dtype=torch.bfloat16)
+    out = torch.empty(q_len, heads, head_dim, dtype=dtype)
     kernels.prefill_attention(q, k, v, head_dim**-0.5, out)
     group = heads // kv_heads
     keys, values = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
@@ -152,4 +153,5 @@ def test_prefill_attention_matches_float64(
     want = torch.einsum(
         "hqk,khd->qhd", scores.masked_fill(~visible, -torch.inf).softmax(-1), values
     )
-    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)

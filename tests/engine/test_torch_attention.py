@@ -89,8 +89,8 @@ SCENARIOS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_place", [False, True], ids=["gather", "c-kernel"])
 def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place: bool) -> None:
-    """``c-kernel``: decodes in ``kernels.paged_decode`` and, in bfloat16 where the CPU has
-    AVX512-BF16, prefills in ``kernels.prefill_attention``."""
+    """``c-kernel``: decodes in ``kernels.paged_decode`` and prefills in
+    ``kernels.prefill_attention`` (bfloat16 where the CPU has AVX512-BF16)."""
     if in_place and not kernels.paged_decode_for(torch.device("cpu"), dtype, D):
         pytest.skip("the C decode kernel needs AVX-512 and a C compiler")
     prefill_kernel = in_place and kernels.prefill_attention_for(torch.device("cpu"), dtype, D)

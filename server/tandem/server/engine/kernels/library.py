@@ -46,8 +46,8 @@ SIGNATURES = {
     # block_size, max_len, scale, bf16, threads
     "paged_decode": [_P, _I64, _P, _P, _P, _I64, _P, _I, _P] + [_I] * 6 + [_F, _I, _I],
     # q, q_stride, k, v, kv_stride, out, out_stride, q_len, kv_len, heads, kv_heads, dim, scale,
-    # threads (bfloat16 with AVX512-BF16 only)
-    "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64] + [_I] * 5 + [_F, _I],
+    # bf16 (only where prefill_attention_bf16 is 1), threads
+    "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64] + [_I] * 5 + [_F, _I, _I],
     # x, out, weight, rows, dim, x_stride, eps, bf16, threads
     "rms_norm": [_P, _P, _P, _I, _I, _I64, _F, _I, _I],
     # gate_up, out, rows, inter, bf16, threads
@@ -78,8 +78,8 @@ def load() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # paged_decode, quant_gemv*, decode_chain: AVX-512 only;
-            # prefill_attention: AVX512-BF16
+        if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
+            # AVX-512 only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
     return lib

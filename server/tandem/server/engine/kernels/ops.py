@@ -5,6 +5,8 @@ Callers check ``cpu_kernels_for`` first and keep their PyTorch code for everythi
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import library
@@ -69,15 +71,19 @@ def paged_decode(
     )
 
 
+# float32 keys beyond which torch's SDPA is as fast (two Zen 4 cores, 9 query heads of 64 on 3
+# KV heads: the kernel 1.6x at 800 keys, even at 2,048, 0.87x at 4,096, where its packed K
+# and V outgrow L2); in bfloat16 the kernel stays ahead (2.2x at 4,096).
+PREFILL_FLOAT32_MAX_KEYS = 2048
+
+
 def prefill_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether ``prefill_attention`` can serve these tensors (bfloat16, AVX512-BF16)."""
-    return (
-        dtype == torch.bfloat16
-        and cpu_kernels_for(device, dtype)
-        and hasattr(library.load(), "prefill_attention")
-        and head_dim % 32 == 0
-        and head_dim <= 256
-    )
+    """Whether ``prefill_attention`` can serve these tensors (AVX-512; bfloat16 with
+    AVX512-BF16; head sizes that are a multiple of 32, up to 256)."""
+    if not (cpu_kernels_for(device, dtype) and hasattr(library.load(), "prefill_attention")):
+        return False
+    pairs = ctypes.c_int.in_dll(library.load(), "prefill_attention_bf16").value
+    return head_dim % 32 == 0 and head_dim <= 256 and (dtype == torch.float32 or pairs == 1)
 
 
 def prefill_attention(
@@ -112,6 +118,7 @@ def prefill_attention(
         kv_heads,
         dim,
         scale,
+        DTYPES[q.dtype],
         torch.get_num_threads(),
     )
 

@@ -125,6 +125,7 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         (64, 9, 3, 37, 37),
         (64, 9, 3, 300, 300),
         (64, 9, 3, 21, 70),
+        (64, 9, 3, 100, 700),
         (128, 9, 3, 50, 50),
         (64, 34, 2, 19, 19),
         (32, 4, 4, 1, 9),
@@ -135,8 +136,9 @@ def test_prefill_attention_matches_float64(
     dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, q_len: int, kv_len: int
 ) -> None:
     """Causal over the step's own q|k|v rows (strided views, as the model hands them), and a
-    chunk after cached tokens (query i at position kv_len - q_len + i); row counts not a
-    multiple of the kernel's block of four; the specialised head sizes and the generic one."""
+    chunk after cached tokens (query i at position kv_len - q_len + i); prompts spanning
+    several of the kernel's key blocks (128) and row chunks, row counts not a multiple of its
+    block of four; the specialised head sizes and the generic one."""
     if not kernels.prefill_attention_for(torch.device("cpu"), dtype, head_dim):
         pytest.skip("the C prefill kernel needs AVX-512 (and AVX512-BF16 in bfloat16)")
     width = (heads + 2 * kv_heads) * head_dim

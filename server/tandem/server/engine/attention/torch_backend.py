@@ -7,7 +7,7 @@ the pages every decode of a group shares at the start of its block table (a comm
 prompt, ``n > 1`` siblings) are gathered and attended once for all of them. Prefills run one
 ``scaled_dot_product_attention`` call each, so no prompt pays for another's padding; on an
 AVX-512 CPU, one call each of ``kernels.prefill_attention`` instead (bfloat16 where the CPU
-has AVX512-BF16; float32 up to ``kernels.PREFILL_FLOAT32_MAX_KEYS`` keys).
+has AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ class _InPlaceDecodes:
 
 class TorchAttentionBackend(AttentionBackend):
     """``in_place``: decodes use the C kernel; ``prefill_kernel``: prefills use the C kernel
-    instead of SDPA (in float32 up to ``kernels.PREFILL_FLOAT32_MAX_KEYS`` keys; each by
-    default where it supports the cache)."""
+    instead of SDPA (each by default where it supports the cache)."""
 
     name = "torch"
 
@@ -187,9 +186,7 @@ class _TorchStep(AttentionStep):
                 kp, vp = k[p.start : p.end], v[p.start : p.end]
             else:
                 kp, vp = _gather_pages(pages, p.blocks, p.kv_len, q.dtype)
-            if self.prefill_kernel and (
-                q.dtype == torch.bfloat16 or p.kv_len <= kernels.PREFILL_FLOAT32_MAX_KEYS
-            ):
+            if self.prefill_kernel:
                 kernels.prefill_attention(
                     q[p.start : p.end], kp, vp, self.scale, out[p.start : p.end]
                 )

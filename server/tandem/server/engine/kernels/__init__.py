@@ -13,7 +13,6 @@ compiler, a GPU, float16) and that the tests compare them against.
 
 from . import cuda_ops
 from .ops import (
-    PREFILL_FLOAT32_MAX_KEYS,
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
     QUANT_MAX_ROWS,
@@ -33,7 +32,6 @@ from .ops import (
 )
 
 __all__ = [
-    "PREFILL_FLOAT32_MAX_KEYS",
     "QUANT_BLOCK",
     "QUANT_BLOCK_BYTES",
     "QUANT_MAX_ROWS",

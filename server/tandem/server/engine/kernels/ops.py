@@ -71,12 +71,6 @@ def paged_decode(
     )
 
 
-# float32 keys beyond which torch's SDPA is as fast (two Zen 4 cores, 9 query heads of 64 on 3
-# KV heads: the kernel 1.6x at 800 keys, even at 2,048, 0.87x at 4,096, where its packed K
-# and V outgrow L2); in bfloat16 the kernel stays ahead (2.2x at 4,096).
-PREFILL_FLOAT32_MAX_KEYS = 2048
-
-
 def prefill_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``prefill_attention`` can serve these tensors (AVX-512; bfloat16 with
     AVX512-BF16; head sizes that are a multiple of 32, up to 256)."""

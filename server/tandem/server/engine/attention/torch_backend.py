@@ -181,7 +181,6 @@ class _TorchStep(AttentionStep):
         for d in self.decodes:
             d.attend(q, pages, self.scale, out)
         for p in self.prefills:
-            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if p.mask is None and kv.dtype == q.dtype:
                 kp, vp = k[p.start : p.end], v[p.start : p.end]
             else:
@@ -192,7 +191,7 @@ class _TorchStep(AttentionStep):
                 )
                 continue
             o = F.scaled_dot_product_attention(
-                qp,
+                q[p.start : p.end].transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
                 kp.transpose(0, 1).unsqueeze(0),
                 vp.transpose(0, 1).unsqueeze(0),
                 attn_mask=p.mask,

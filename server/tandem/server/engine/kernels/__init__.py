@@ -1,6 +1,7 @@
 """C kernels for the CPU path, built once per machine and called through ctypes.
 
-``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only);
+``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only),
+``prefill_attention.c`` a prompt's causal attention (AVX-512; bfloat16 with AVX512-BF16);
 ``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
 embedding), one pass each instead of several torch ops; ``quant_gemv.c`` multiplies a few rows
 by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (AVX-512 only), and ``quant_vnni.c``

@@ -34,16 +34,6 @@ INLINE __m512 load16(const char *p, const int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-#ifdef __AVX512BF16__
-#define HAVE_DPBF16 1
-/* acc + the pairwise products of a and b, 32 bfloat16 each, summed in float32 per lane pair */
-INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-#else
-#define HAVE_DPBF16 0
-INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return acc; } /* never called */
-#endif
 
 /* Lane i of the result is the sum of the lanes of v[i]. */
 INLINE __m512 sum_each(__m512 v[TILE]) {

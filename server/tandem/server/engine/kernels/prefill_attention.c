@@ -34,17 +34,6 @@
 #define CHUNK 64      /* query rows of one head a thread takes at a time */
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
 
-#ifdef __AVX512BF16__
-#define HAVE_DPBF16 1
-/* acc + the pairwise products of a broadcast word (two bfloat16) and b's 32 bfloat16 */
-INLINE __m512 dot_pairs(__m512 acc, uint32_t a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a), (__m512bh)b);
-}
-#else
-#define HAVE_DPBF16 0
-INLINE __m512 dot_pairs(__m512 acc, uint32_t a, __m512i b) { return acc; } /* never called */
-#endif
-
 /* Whether bfloat16 tensors may be passed (the CPU has AVX512-BF16): read by kernels/ops.py. */
 const int prefill_attention_bf16 = HAVE_DPBF16;
 
@@ -84,7 +73,7 @@ INLINE void scores16(const char *q, int64_t q_stride, const void *kt, int j0,
         for (int c = 0; c < dim / 2; c++) {
             __m512i keys = _mm512_loadu_si512((const uint32_t *)kt + key_at(c, j0, dim / 2));
             for (int r = 0; r < rows; r++)
-                acc[r] = dot_pairs(acc[r], ((const uint32_t *)(q + r * q_stride * 2))[c], keys);
+                acc[r] = dot_pairs(acc[r], _mm512_set1_epi32(((const int32_t *)(q + r * q_stride * 2))[c]), keys);
         }
         return;
     }
@@ -159,7 +148,7 @@ INLINE void block_values(const char *p, const void *vp, int j0, int n, const int
         for (int r = 0; r < rows; r++) {
             const char *pr = p + ((int64_t)r * KEY_BLOCK + j) * elem;
             for (int c = 0; c < chunks; c++)
-                sum[r][c] = bf16 ? dot_pairs(sum[r][c], *(const uint32_t *)pr, _mm512_castps_si512(v[c]))
+                sum[r][c] = bf16 ? dot_pairs(sum[r][c], _mm512_set1_epi32(*(const int32_t *)pr), _mm512_castps_si512(v[c]))
                                  : _mm512_fmadd_ps(_mm512_set1_ps(*(const float *)pr), v[c], sum[r][c]);
         }
     }

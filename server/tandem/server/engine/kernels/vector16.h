@@ -1,5 +1,5 @@
-/* Sixteen floats at a time (AVX-512), for the kernels that need them: exp, and the store that
- * rounds to bfloat16 as torch does. */
+/* Sixteen floats at a time (AVX-512), for the kernels that need them: exp, the store that
+ * rounds to bfloat16 as torch does, and bfloat16 dot pairs where the CPU has them. */
 #pragma once
 #include <immintrin.h>
 
@@ -31,3 +31,13 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+#ifdef __AVX512BF16__
+#define HAVE_DPBF16 1
+/* acc + the pairwise products of a and b, 32 bfloat16 each, summed in float32 per lane pair */
+static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#else
+#define HAVE_DPBF16 0
+static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return acc; } /* never called */
+#endif

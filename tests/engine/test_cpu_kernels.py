@@ -129,6 +129,9 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         (128, 9, 3, 50, 50),
         (64, 34, 2, 19, 19),
         (32, 4, 4, 1, 9),
+        (32, 4, 2, 40, 90),
+        (96, 4, 2, 33, 33),
+        (256, 2, 1, 20, 150),
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +141,8 @@ def test_prefill_attention_matches_float64(
     """Causal over the step's own q|k|v rows (strided views, as the model hands them), and a
     chunk after cached tokens (query i at position kv_len - q_len + i); prompts spanning
     several of the kernel's key blocks (128) and row chunks, row counts not a multiple of its
-    block of four; the specialised head sizes and the generic one."""
+    block of four (nor, in bfloat16 on an AMX CPU, of its sixteen-row tile blocks); the
+    specialised head sizes and the generic ones."""
     if not kernels.prefill_attention_for(torch.device("cpu"), dtype, head_dim):
         pytest.skip("the C prefill kernel needs AVX-512 (and AVX512-BF16 in bfloat16)")
     width = (heads + 2 * kv_heads) * head_dim

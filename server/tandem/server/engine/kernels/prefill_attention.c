@@ -14,7 +14,9 @@
  * when the max rises), the unnormalised probabilities in the model's dtype (in bfloat16
  * rounded, as torch's flash attention rounds them), and their product with V in float32; the
  * sum divides once at the end. In bfloat16 its output is within one step of SDPA's (84-100 %
- * of the values the same bits on the shapes tested).
+ * of the values the same bits on the shapes tested). Where the CPU has AMX (Sapphire Rapids
+ * and later), bfloat16 prompts of 16 rows or more take both products as tile products, sixteen
+ * query rows a block: 1.6-2.2x the dot pairs on two Emerald Rapids cores.
  * Its reference is attention in float64 (tests/engine/test_cpu_kernels.py).
  */
 #ifdef __AVX512F__
@@ -91,6 +93,28 @@ typedef struct {
     float max, sum;
 } Running;
 
+/* One row's masked, scaled scores s (n keys; -inf where masked) after its running softmax
+ * (`top`: their max): the running max and sum moved on, the row's value sums (acc) rescaled,
+ * and its unnormalised probabilities into p in the model's dtype. */
+INLINE void row_softmax(const float *s, int n, float top, const int dim, const int bf16,
+                        Running *run, float *acc, char *p) {
+    const int elem = bf16 ? 2 : 4;
+    if (top < run->max) top = run->max;
+    __m512 m = _mm512_set1_ps(top), total = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += KEYS) {
+        __m512 x = _mm512_loadu_ps(s + j);
+        __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
+        total = _mm512_add_ps(total, e);
+        store16(p + (int64_t)j * elem, e, bf16);
+    }
+    float alpha = run->max == -INFINITY ? 0.0f : exp_approx(run->max - top);
+    run->sum = run->sum * alpha + _mm512_reduce_add_ps(total);
+    run->max = top;
+    for (int d = 0; d < dim; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
+}
+
 /* Keys j0 .. j0 + n - 1 for `rows` query rows (row 0 at `position`; keys after a row's
  * position masked): scores, the running max and sum moved on, the rows' value sums rescaled
  * (acc, rows `dim` floats apart), and the block's probabilities into p in the model's dtype
@@ -114,24 +138,9 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
             maxv[r] = _mm512_max_ps(maxv[r], x);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float top = _mm512_reduce_max_ps(maxv[r]);
-        if (top < run[r].max) top = run[r].max;
-        __m512 m = _mm512_set1_ps(top), total = _mm512_setzero_ps();
-        for (int j = 0; j < n; j += KEYS) {
-            __m512 x = _mm512_loadu_ps(s + r * KEY_BLOCK + j);
-            __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
-            total = _mm512_add_ps(total, e);
-            store16(p + ((int64_t)r * KEY_BLOCK + j) * elem, e, bf16);
-        }
-        float alpha = run[r].max == -INFINITY ? 0.0f : exp_approx(run[r].max - top);
-        run[r].sum = run[r].sum * alpha + _mm512_reduce_add_ps(total);
-        run[r].max = top;
-        for (int d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(acc + r * dim + d,
-                             _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), _mm512_set1_ps(alpha)));
-    }
+    for (int r = 0; r < rows; r++)
+        row_softmax(s + r * KEY_BLOCK, n, _mm512_reduce_max_ps(maxv[r]), dim, bf16, run + r,
+                    acc + r * dim, p + (int64_t)r * KEY_BLOCK * elem);
 }
 
 /* acc rows += p (rows x n keys) times the packed values of keys j0 .. j0 + n - 1. */
@@ -156,6 +165,134 @@ INLINE void block_values(const char *p, const void *vp, int j0, int n, const int
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + r * dim + c * 16, sum[r][c]);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX (Sapphire Rapids and later): in bfloat16, sixteen query rows of a head at a time meet a
+ * key block as tile products, q times the packed keys and the probabilities times the packed
+ * values: the packing above is already the tiles' pair layout (a key's two dimensions in a
+ * word for q.k, two keys' values of a dimension in a word for p.v). Tiles: 0-3 accumulate,
+ * 4 holds A, 5 and 6 B; every tile 16 rows of 64 bytes. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16
+#define HAVE_AMX 1
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* This thread's tiles, each 16 rows of 64 bytes. */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* Whether the kernel may use the tiles: Linux grants AMX state per process on request
+ * (ARCH_REQ_XCOMP_PERM for XTILEDATA), once; oneDNN asks the same. */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+/* Sixteen rows' raw scores against keys j0 .. j0 + n - 1 (n a multiple of 16) into s, rows
+ * KEY_BLOCK floats apart. */
+static void amx_scores(const char *q, int64_t q_stride, const uint32_t *kt, int j0, int n,
+                       int dim, float *s) {
+    const uint32_t *block = kt + key_at(0, j0, dim / 2);
+    for (int g = 0; g < n; g += 32) {
+        const int two = g + 16 < n;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < dim / 32; c++) {
+            _tile_loadd(4, q + c * 64, q_stride * 2);
+            _tile_loadd(5, block + (int64_t)c * 16 * KEY_BLOCK + g, KEY_BLOCK * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (two) {
+                _tile_loadd(6, block + (int64_t)c * 16 * KEY_BLOCK + g + 16, KEY_BLOCK * 4);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+        }
+        _tile_stored(0, s + g, KEY_BLOCK * 4);
+        if (two) _tile_stored(1, s + g + 16, KEY_BLOCK * 4);
+    }
+}
+
+/* acc (16 rows, dim floats apart) += p (16 rows of n bfloat16 probabilities, KEY_BLOCK apart,
+ * zero from n to the next 32) times the packed values of keys j0 .. j0 + n - 1. */
+static void amx_values(const char *p, const char *vp, int j0, int n, int dim, float *acc,
+                       float *part) {
+    for (int d0 = 0; d0 < dim; d0 += 64) {
+        const int tiles = (dim - d0) / 16 < 4 ? (dim - d0) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int j = 0; j < n; j += 32) {
+            const char *v = vp + (int64_t)((j0 + j) / 2) * dim * 4 + d0 * 4;
+            _tile_loadd(4, p + j * 2, KEY_BLOCK * 2);
+            _tile_loadd(5, v, dim * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, v + 64, dim * 4);
+            _tile_dpbf16ps(1, 4, 6);
+            if (tiles > 2) {
+                _tile_loadd(5, v + 128, dim * 4);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, v + 192, dim * 4);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, part + d0, dim * 4);
+        _tile_stored(1, part + d0 + 16, dim * 4);
+        if (tiles > 2) {
+            _tile_stored(2, part + d0 + 32, dim * 4);
+            _tile_stored(3, part + d0 + 48, dim * 4);
+        }
+    }
+    for (int i = 0; i < AMX_ROWS * dim; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
+}
+
+/* Sixteen rows of one head (row 0 at `position`) against one key block, in bfloat16. */
+static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp,
+                           int j0, int n, int position, int dim, float scale, Running *run,
+                           float *acc, float *s, char *p, float *part) {
+    amx_scores(q, q_stride, kt, j0, n, dim, s);
+    const __m512i at0 = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const int padded = (n + 31) / 32 * 32;
+    for (int r = 0; r < AMX_ROWS; r++) {
+        float *row = s + r * KEY_BLOCK;
+        __m512 maxv = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += KEYS) {
+            __m512i at = _mm512_add_epi32(at0, _mm512_set1_epi32(j));
+            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r));
+            __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
+                                            _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(row + j, x);
+            maxv = _mm512_max_ps(maxv, x);
+        }
+        char *pr = p + (int64_t)r * KEY_BLOCK * 2;
+        row_softmax(row, n, _mm512_reduce_max_ps(maxv), dim, 1, run + r, acc + r * dim, pr);
+        if (padded > n) memset(pr + n * 2, 0, (size_t)(padded - n) * 2);
+    }
+    amx_values(p, vp, j0, n, dim, acc, part);
+}
+#else
+#define AMX_ROWS MAX_ROWS
+#define HAVE_AMX 0
+static int amx_permitted(void) { return 0; }
+static void amx_configure(void) {}
+static void _tile_release(void) {}
+static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp,
+                           int j0, int n, int position, int dim, float scale, Running *run,
+                           float *acc, float *s, char *p, float *part) {} /* never called */
+#endif
+
 /* Rows of one head against one key block, inlined for the common shapes. */
 static void rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp, int j0, int n, int position, int rows, int chunks, int bf16,
                        float scale, Running *run, float *acc, float *s, char *p) {
@@ -179,20 +316,27 @@ static void rows_block(const char *q, int64_t q_stride, const void *kt, const vo
 /* Query rows i0 .. i0 + rows - 1 of one head (row 0 at `position`), key block by key block:
  * the packed K and V of a block stay in cache for every row of the chunk. */
 static void rows_chunk(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                       int position, int rows, int chunks, int bf16, float scale,
-                       Running *run, float *acc, float *s, char *p, char *out,
-                       int64_t out_stride) {
+                       int position, int rows, int chunks, int bf16, int amx, float scale,
+                       Running *run, float *acc, float *s, char *p, float *part_sums,
+                       char *out, int64_t out_stride) {
     const int dim = chunks * 16, elem = bf16 ? 2 : 4, block = chunks <= 4 ? 4 : 2;
     for (int r = 0; r < rows; r++) run[r] = (Running){-INFINITY, 0.0f};
     memset(acc, 0, sizeof(float) * (size_t)rows * dim);
     int keys = (position + rows - 1 + KEYS) / KEYS * KEYS; /* through the last row's key */
     for (int j0 = 0; j0 < keys; j0 += KEY_BLOCK) {
         int n = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
-        for (int r0 = 0; r0 < rows; r0 += block) {
-            if (position + r0 + block - 1 < j0) continue; /* a row sees none of the block */
-            int part = rows - r0 < block ? rows - r0 : block;
-            rows_block(q + (int64_t)r0 * q_stride * elem, q_stride, kt, vp, j0, n,
-                       position + r0, part, chunks, bf16, scale, run + r0, acc + r0 * dim, s, p);
+        for (int r0 = 0, part; r0 < rows; r0 += part) {
+            const int tiles = amx && rows - r0 >= AMX_ROWS;
+            part = tiles ? AMX_ROWS : (rows - r0 < block ? rows - r0 : block);
+            if (position + r0 + part - 1 < j0) continue; /* a row sees none of the block */
+            if (tiles)
+                amx_rows_block(q + (int64_t)r0 * q_stride * elem, q_stride, kt, vp, j0, n,
+                               position + r0, dim, scale, run + r0, acc + r0 * dim, s, p,
+                               part_sums);
+            else
+                rows_block(q + (int64_t)r0 * q_stride * elem, q_stride, kt, vp, j0, n,
+                           position + r0, part, chunks, bf16, scale, run + r0, acc + r0 * dim,
+                           s, p);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -212,18 +356,23 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
                        int heads, int kv_heads, int dim, float scale, int bf16, int threads) {
     const int group = heads / kv_heads, chunks = dim / 16, elem = bf16 ? 2 : 4;
     const int padded = (kv_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, offset = kv_len - q_len;
+    const int amx = bf16 && q_len >= AMX_ROWS && amx_permitted();
     /* chunks of at most CHUNK rows, at least eight a head (a short prompt's few chunks, the
-     * later ones much costlier, would leave a thread idle), a multiple of four rows */
-    const int chunk = q_len / 8 / 4 * 4 < 4 ? 4 : (q_len / 8 / 4 * 4 > CHUNK ? CHUNK : q_len / 8 / 4 * 4);
+     * later ones much costlier, would leave a thread idle), a multiple of four rows (of
+     * sixteen, the tiles' rows, with AMX) */
+    const int unit = amx ? AMX_ROWS : 4, even = q_len / 8 / unit * unit;
+    const int chunk = even < unit ? unit : (even > CHUNK ? CHUNK : even);
     const int parts = (q_len + chunk - 1) / chunk;
     const size_t packed = sizeof(float) * (size_t)padded * dim; /* bytes per head */
     char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * MAX_ROWS * KEY_BLOCK);
-        char *p = malloc(sizeof(float) * MAX_ROWS * KEY_BLOCK);
+        float *s = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
+        char *p = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
         float *acc = malloc(sizeof(float) * CHUNK * (size_t)dim);
+        float *part_sums = malloc(sizeof(float) * AMX_ROWS * (size_t)dim);
         Running *run = malloc(sizeof(Running) * CHUNK);
+        if (amx) amx_configure();
 #pragma omp for
         for (int h = 0; h < kv_heads; h++)
             pack((const char *)k + (int64_t)h * dim * elem, (const char *)v + (int64_t)h * dim * elem,
@@ -235,9 +384,11 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
             int rows = q_len - i0 < chunk ? q_len - i0 : chunk, h = head / group;
             rows_chunk((const char *)q + ((int64_t)i0 * q_stride + head * dim) * elem, q_stride,
                        kt + packed * h, vp + packed * h, offset + i0, rows, chunks, bf16,
-                       scale, run, acc, s, p,
+                       amx, scale, run, acc, s, p, part_sums,
                        (char *)out + ((int64_t)i0 * out_stride + head * dim) * elem, out_stride);
         }
+        if (amx) _tile_release();
+        free(part_sums);
         free(s);
         free(p);
         free(acc);

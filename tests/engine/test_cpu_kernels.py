@@ -119,6 +119,41 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(8, 9, 3), (3, 4, 2), (30, 9, 3)])
+def test_shared_pages_merged_match_float64(
+    dtype: torch.dtype, batch: int, heads: int, kv_heads: int
+) -> None:
+    """Decodes beginning with the same pages: those attended once for all rows
+    (``shared_attention``: 16-row tiles with AMX in bfloat16, rows of four otherwise, and a
+    remainder), the rest per row (``paged_decode`` with each row's max and sum), merged by
+    ``merge_attention``: the attention over the whole context."""
+    if not kernels.prefill_attention_for(torch.device("cpu"), dtype, 64):
+        pytest.skip("the C attention kernels need AVX-512 (and AVX512-BF16 in bfloat16)")
+    bs, shared_pages, dim = 16, 9, 64
+    pages = _rand(2, 128, bs, kv_heads, dim, dtype=dtype, seed=6) / 3
+    order = iter(torch.randperm(127, generator=torch.Generator().manual_seed(7)).add(1).tolist())
+    shared = [next(order) for _ in range(shared_pages)]
+    own_lens = [1 + 7 * b % 40 for b in range(batch)]
+    own = [[next(order) for _ in range(-(-n // bs))] for n in own_lens]
+    width = max(len(t) for t in own)
+    q = _rand(batch, heads, dim, dtype=dtype, seed=8) / 3
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, 2)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in own], dtype=torch.int32)
+    lens = torch.tensor(own_lens, dtype=torch.int32)
+    kernels.paged_decode(q, pages, tables, lens, max(own_lens), dim**-0.5, out=out, lse=lse)
+    common = kernels.shared_attention(q, pages, torch.tensor(shared, dtype=torch.int32), dim**-0.5)
+    kernels.merge_attention(out, lse, *common)
+    for b in range(batch):
+        n = shared_pages * bs + own_lens[b]
+        k, v = (pages[i, shared + own[b]].reshape(-1, kv_heads, dim)[:n].double() for i in (0, 1))
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * dim**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     ("head_dim", "heads", "kv_heads", "q_len", "kv_len"),
     [

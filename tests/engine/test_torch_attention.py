@@ -3,7 +3,7 @@
 The scenarios cover what the backend treats differently: fresh prompts (attending to the
 step's own K/V), prefix hits and chunks (the pages, causal aligned to the end), decodes of
 mixed lengths (split into two groups), and decodes sharing their leading pages (the shared
-pages attended once for all rows).
+pages attended once for all rows, in both paths).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ SCENARIOS = {
     "decodes_sharing_a_prefix": ([(n, 1) for n in (33, 40, 41, 47, 64)], 8),
     "a_shared_prefix_ending_at_the_newest_token": ([(32, 1), (32, 1), (36, 1)], 8),
     "mixed_with_a_shared_prefix": ([(32, 1), (0, 12), (44, 1), (32, 5), (70, 1)], 8),
+    # past SHARED_MIN_TOKENS and SHARED_MIN_ROWS: in bfloat16 on an AMX CPU, the shared pages
+    # attended once (sixteen rows a tile, then a remainder of four and four)
+    "many_decodes_sharing_a_long_prefix": ([(n, 1) for n in (68, 70, 75, 80, 83, 90, 99, 130)], 17),
     "decodes_sharing_two_prefixes_and_none": (
         [(40, 1, 0), (50, 1, 1), (36, 1, -1), (45, 1, 0), (90, 1, 1), (60, 1, -1), (33, 1, 1)],
         8,
@@ -111,3 +114,21 @@ def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
     assert torch.equal(cache.data[0].view(2, -1, H_KV, D), written.to(dtype))
+
+
+def test_shared_pages_are_attended_once() -> None:
+    """In bfloat16 on an AMX CPU the C path takes the pages every decode begins with apart
+    once there are enough of them (and keeps them whole below that)."""
+    if not kernels.shared_attention_for(torch.device("cpu"), torch.bfloat16, D):
+        pytest.skip("shared pages are attended apart only on AMX tiles")
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H_KV, head_dim=D)
+    cache = KVCache(cfg, BLOCKS, BS, torch.bfloat16, torch.device("cpu"))
+    backend = TorchAttentionBackend(cache, D**-0.5, in_place=True)
+    for name, shared in [
+        ("many_decodes_sharing_a_long_prefix", 17),
+        ("decodes_sharing_a_prefix", 0),
+    ]:
+        layout, *_ = _scenario(*SCENARIOS[name], seed=0)
+        (decodes,) = backend.plan(layout).decodes
+        assert (0 if decodes.shared is None else len(decodes.shared)) == shared
+        assert decodes.lens.tolist() == [n - shared * BS for n in layout.kv_lens]

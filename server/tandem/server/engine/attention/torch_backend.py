@@ -2,7 +2,11 @@
 
 Decodes (one new token each) are batched. On a CPU where the C kernels build (AVX-512 and a C
 compiler), they all go to one call of ``kernels.paged_decode``, which reads their pages in
-place. Elsewhere their pages are gathered and attended with two ``bmm`` calls per group, and
+place; in bfloat16 on a CPU with AMX, when they all begin with the same pages (a shared system
+prompt, a prompt's ``n > 1`` samples: ``SHARED_MIN_TOKENS`` or more), those pages are attended
+once for all of them (``kernels.shared_attention``: every row's queries against the packed
+pages as one prompt, in tiles) and merged by their softmax sums with the rest
+(``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two ``bmm`` calls per group, and
 the pages every decode of a group shares at the start of its block table (a common system
 prompt, ``n > 1`` siblings) are gathered and attended once for all of them. Prefills run one
 ``scaled_dot_product_attention`` call each, so no prompt pays for another's padding; on an
@@ -20,6 +24,12 @@ import torch.nn.functional as F
 from .. import kernels
 from ..kv_cache import KVCache
 from .base import AttentionBackend, AttentionStep, BatchLayout
+
+# Leading pages every decode of a step shares are attended once for all of them when they hold
+# at least this many tokens and at least SHARED_MIN_ROWS decodes share them (with two query
+# heads a KV head or more, the sixteen rows of a tile).
+SHARED_MIN_TOKENS = 64
+SHARED_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -45,23 +55,28 @@ class _Decodes:
 
 @dataclass(frozen=True)
 class _InPlaceDecodes:
-    """Every decode of the step, for the C kernel."""
+    """Every decode of the step, for the C kernels."""
 
     rows: slice | torch.Tensor  # flat token rows: a slice when they are adjacent (the usual
     # case: decodes lead the batch), so q and the output are passed as they lie, uncopied
-    tables: torch.Tensor  # [B, nb] int32 pages, padded with the null page
-    lens: torch.Tensor  # [B] int32 context lengths
+    tables: torch.Tensor  # [B, nb] int32 pages after the shared ones, padded with the null page
+    lens: torch.Tensor  # [B] int32 context lengths after the shared pages
     max_len: int
+    shared: torch.Tensor | None = None  # [c] int32 pages every row begins with, attended once
 
     def attend(self, q: torch.Tensor, pages: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        args = (pages, self.tables, self.lens, self.max_len, scale)
-        if isinstance(self.rows, slice):
-            kernels.paged_decode(q[self.rows], *args, out=out[self.rows])
-            return
+        adjacent = isinstance(self.rows, slice)
         rows_q = q[self.rows]
-        rows_out = torch.empty_like(rows_q)
-        kernels.paged_decode(rows_q, *args, out=rows_out)
-        out[self.rows] = rows_out
+        rows_out = out[self.rows] if adjacent else torch.empty_like(rows_q)
+        lse = None if self.shared is None else torch.empty(*rows_q.shape[:2], 2)
+        args = (pages, self.tables, self.lens, self.max_len, scale)
+        kernels.paged_decode(rows_q, *args, out=rows_out, lse=lse)
+        if self.shared is not None:
+            kernels.merge_attention(
+                rows_out, lse, *kernels.shared_attention(rows_q, pages, self.shared, scale)
+            )
+        if not adjacent:
+            out[self.rows] = rows_out
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -84,6 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
         if prefill_kernel is None:
             prefill_kernel = kernels.prefill_attention_for(*where)
         self.prefill_kernel = prefill_kernel
+        self.shared_pages = self.in_place and kernels.shared_attention_for(*where)
 
     def plan(self, layout: BatchLayout) -> AttentionStep:
         starts = [0]
@@ -121,15 +137,24 @@ class TorchAttentionBackend(AttentionBackend):
         return _Prefill(start, start + q_len, blocks, kv_len, mask)
 
     def _in_place(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _InPlaceDecodes:
+        bs = self.kv_cache.block_size
         lens = [layout.kv_lens[i] for i in idx]
-        width = -(-max(lens) // self.kv_cache.block_size)
+        tables = [layout.block_tables[i] for i in idx]
+        shared = 0
+        if self.shared_pages and len(idx) >= SHARED_MIN_ROWS:
+            # whole pages every row holds, leaving each row at least its newest token of its own
+            shared = _common_start(tables, (min(lens) - 1) // bs)
+            shared = shared if shared * bs >= SHARED_MIN_TOKENS else 0
+        lens = [n - shared * bs for n in lens]
+        width = -(-max(lens) // bs)
         rows = [starts[i] for i in idx]
         adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
         return _InPlaceDecodes(
             slice(rows[0], rows[0] + len(rows)) if adjacent else torch.tensor(rows),
-            torch.tensor([_padded(layout.block_tables[i], width) for i in idx], dtype=torch.int32),
+            torch.tensor([_padded(t[shared:], width) for t in tables], dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32),
             max(lens),
+            torch.tensor(tables[0][:shared], dtype=torch.int32) if shared else None,
         )
 
     def _decodes(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _Decodes:

@@ -18,6 +18,7 @@ from .ops import (
     QUANT_BLOCK_BYTES,
     QUANT_MAX_ROWS,
     cpu_kernels_for,
+    merge_attention,
     paged_decode,
     paged_decode_for,
     prefill_attention,
@@ -29,6 +30,8 @@ from .ops import (
     quant_kernel,
     rms_norm,
     rope_,
+    shared_attention,
+    shared_attention_for,
     silu_and_mul,
 )
 
@@ -38,6 +41,7 @@ __all__ = [
     "QUANT_MAX_ROWS",
     "cpu_kernels_for",
     "cuda_ops",
+    "merge_attention",
     "paged_decode",
     "paged_decode_for",
     "prefill_attention",
@@ -49,5 +53,7 @@ __all__ = [
     "quant_kernel",
     "rms_norm",
     "rope_",
+    "shared_attention",
+    "shared_attention_for",
     "silu_and_mul",
 ]

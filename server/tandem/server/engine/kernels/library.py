@@ -43,8 +43,14 @@ FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     # q, q_stride, k, v, out, out_stride, tables, width, lens, batch, heads, kv_heads, dim,
-    # block_size, max_len, scale, bf16, threads
-    "paged_decode": [_P, _I64, _P, _P, _P, _I64, _P, _I, _P] + [_I] * 6 + [_F, _I, _I],
+    # block_size, max_len, scale, bf16, threads, lse (or NULL)
+    "paged_decode": [_P, _I64, _P, _P, _P, _I64, _P, _I, _P] + [_I] * 6 + [_F, _I, _I, _P],
+    # q, q_stride, k, v, pages, num_pages, block_size, batch, heads, kv_heads, dim, scale, bf16,
+    # threads, out, lse
+    "shared_attention": [_P, _I64, _P, _P, _P] + [_I] * 6 + [_F, _I, _I, _P, _P],
+    "shared_attention_tiles": [],  # returns an int: RESULTS
+    # out, out_stride, lse, shared, shared_lse, batch, heads, dim, bf16
+    "merge_attention": [_P, _I64, _P, _P, _P, _I, _I, _I, _I],
     # q, q_stride, k, v, kv_stride, out, out_stride, q_len, kv_len, heads, kv_heads, dim, scale,
     # bf16 (only where prefill_attention_bf16 is 1), threads
     "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64] + [_I] * 5 + [_F, _I, _I],
@@ -60,6 +66,8 @@ SIGNATURES = {
     # h, layers (chain_layer[]), num_layers, step (chain_step *)
     "decode_chain": [_P, _P, _I, _P],
 }
+
+RESULTS = {"shared_attention_tiles": _I}  # the functions that return something
 
 
 @functools.cache
@@ -81,7 +89,7 @@ def load() -> ctypes.CDLL | None:
         if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
             # AVX-512 only
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib
 
 

@@ -37,13 +37,15 @@ def paged_decode(
     max_len: int,
     scale: float,
     out: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """One query token per sequence over its pages, read in place, written into ``out``.
 
     q, out: ``[B, H, D]``, rows of the step's q and output, each sequence's heads contiguous
     in ``out`` (q is copied only where its are not); pages: one layer's
     ``[2, blocks, block_size, H_kv, D]`` (contiguous, q's dtype); tables: ``[B, width]`` int32
-    page ids; lens: ``[B]`` int32 tokens each attends to (at most ``max_len``).
+    page ids; lens: ``[B]`` int32 tokens each attends to (at most ``max_len``); lse: None, or
+    float32 ``[B, H, 2]`` for each row's softmax max and sum (``merge_attention`` reads them).
     """
     batch, heads, dim = q.shape
     _, _, block_size, kv_heads, _ = pages.shape
@@ -68,6 +70,70 @@ def paged_decode(
         scale,
         DTYPES[q.dtype],
         torch.get_num_threads(),
+        None if lse is None else lse.data_ptr(),
+    )
+
+
+def shared_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``shared_attention`` pays here: bfloat16 on AMX tiles (elsewhere, measured on
+    an Emerald Rapids Xeon in float32, it cost more than ``paged_decode`` reading the shared
+    pages once per row)."""
+    return (
+        dtype == torch.bfloat16
+        and prefill_attention_for(device, dtype, head_dim)
+        and library.load().shared_attention_tiles() == 1
+    )
+
+
+def shared_attention(
+    q: torch.Tensor, pages: torch.Tensor, shared: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's query heads against the pages ``shared`` (int32 ids) that all of them
+    begin with, at once: float32 ``[B, H, D]`` normalised outputs and ``[B, H, 2]`` softmax max
+    and sum, for ``merge_attention``. q and pages as ``paged_decode`` takes them."""
+    batch, heads, dim = q.shape
+    _, _, block_size, kv_heads, _ = pages.shape
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    out = torch.empty(batch, heads, dim)
+    lse = torch.empty(batch, heads, 2)
+    library.load().shared_attention(
+        q.data_ptr(),
+        q.stride(0),
+        pages[0].data_ptr(),
+        pages[1].data_ptr(),
+        shared.data_ptr(),
+        shared.numel(),
+        block_size,
+        batch,
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        DTYPES[q.dtype],
+        torch.get_num_threads(),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
+    return out, lse
+
+
+def merge_attention(
+    out: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor, shared_lse: torch.Tensor
+) -> None:
+    """``out`` (``paged_decode``'s, over each sequence's own pages, with its ``lse``) and
+    ``shared`` (``shared_attention``'s) made one attention over both spans, in place."""
+    batch, heads, dim = out.shape
+    library.load().merge_attention(
+        out.data_ptr(),
+        out.stride(0),
+        lse.data_ptr(),
+        shared.data_ptr(),
+        shared_lse.data_ptr(),
+        batch,
+        heads,
+        dim,
+        DTYPES[out.dtype],
     )
 
 

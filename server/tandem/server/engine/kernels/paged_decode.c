@@ -79,7 +79,8 @@ INLINE void prefetch_row(Rows *r, int bytes) {
 /* One (sequence, KV head) pair: `group` query heads of `chunks` * 16 values attend to `len`
  * cached tokens. scores: group rows of `stride` (len rounded up to TILE) floats. */
 INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
-                   const int chunks, float scale, const int bf16, float *scores, int stride) {
+                   const int chunks, float scale, const int bf16, float *scores, int stride,
+                   float *lse) {
     const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
     /* bfloat16 with AVX512-BF16: q.k from the cache's own bits, 32 products an instruction */
     const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0;
@@ -129,13 +130,16 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
     }
     for (int g = 0; g < group; g++) {
         float *s = scores + g * stride;
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxv[g])), total = _mm512_setzero_ps();
+        float top = _mm512_reduce_max_ps(maxv[g]);
+        __m512 m = _mm512_set1_ps(top), total = _mm512_setzero_ps();
         for (int t = 0; t < stride; t += TILE) {
             __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
             _mm512_storeu_ps(s + t, e);
             total = _mm512_add_ps(total, e);
         }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        float sum = _mm512_reduce_add_ps(total);
+        if (lse) lse[2 * g] = top, lse[2 * g + 1] = sum;
+        __m512 inv = _mm512_set1_ps(1.0f / sum);
         for (int t = 0; t < stride; t += TILE) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
     }
     for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&values_ahead, row_bytes);
@@ -155,28 +159,29 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
 
 #define SHAPE(G, C)                                                                           \
     if (group == G && chunks == C)                                                            \
-        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride)       \
-                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride);
+        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride, lse)  \
+                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride, lse);
 
 static void attend_any(const char *q, Rows keys, Rows values, char *out, int len, int group,
-                       int chunks, float scale, int bf16, float *scores, int stride) {
+                       int chunks, float scale, int bf16, float *scores, int stride, float *lse) {
     SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
     SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
     if (bf16)
-        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride);
+        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride, lse);
     else
-        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride);
+        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride, lse);
 }
 
 /* q, out: [B, H, D], a sequence's heads contiguous, sequences q_stride and out_stride elements
  * apart; k, v: [blocks, block_size, H_kv, D], contiguous; tables: [B, width] page ids; lens:
  * [B] tokens each sequence attends to (at most max_len); bf16: 1 for bfloat16 tensors, 0 for
- * float32; D a multiple of 16, at most 16 * MAX_CHUNKS. Work is split over (sequence, KV head)
- * pairs. */
+ * float32; D a multiple of 16, at most 16 * MAX_CHUNKS; lse: NULL, or [B, H, 2] floats where
+ * each row's softmax max and sum go (merge_attention reads them). Work is split over
+ * (sequence, KV head) pairs. */
 void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
-                  float scale, int bf16, int threads) {
+                  float scale, int bf16, int threads, float *lse) {
     int group = heads / kv_heads, stride = (max_len + TILE - 1) / TILE * TILE;
     int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
     /* A parallel region costs its slowest thread's wake-up: on cores other processes share,
@@ -200,10 +205,32 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
                 int part = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
                 attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
                            (char *)out + (b * out_stride + head) * elem, lens[b], part,
-                           dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE);
+                           dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE,
+                           lse ? lse + 2 * ((int64_t)b * heads + h * group + g0) : NULL);
             }
         }
         free(scores);
     }
+}
+
+/* Attention over two spans of each sequence's keys, each normalised on its own, made one: out
+ * (the sequence's own pages, by paged_decode, with lse its [B, H, 2] max and sum) and shared
+ * (the pages every sequence shares, float32 [B, H, D], by shared_attention, with shared_lse),
+ * weighed by their sums at a common max, into out (rows out_stride elements apart). */
+void merge_attention(void *out, int64_t out_stride, const float *lse, const float *shared,
+                     const float *shared_lse, int batch, int heads, int dim, int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < heads; h++) {
+            int64_t at = (int64_t)b * heads + h;
+            float top = lse[2 * at] > shared_lse[2 * at] ? lse[2 * at] : shared_lse[2 * at];
+            float own = lse[2 * at + 1] * exp_approx(lse[2 * at] - top);
+            float common = shared_lse[2 * at + 1] * exp_approx(shared_lse[2 * at] - top);
+            __m512 a = _mm512_set1_ps(own / (own + common)), c = _mm512_set1_ps(common / (own + common));
+            char *row = (char *)out + (b * out_stride + (int64_t)h * dim) * elem;
+            for (int d = 0; d < dim; d += 16)
+                store16(row + d * elem, _mm512_fmadd_ps(load16(row + d * elem, bf16), a,
+                        _mm512_mul_ps(_mm512_loadu_ps(shared + at * dim + d), c)), bf16);
+        }
 }
 #endif

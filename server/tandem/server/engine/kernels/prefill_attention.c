@@ -46,25 +46,30 @@ INLINE int64_t key_at(int c, int j, int words) {
     return ((int64_t)(j / KEY_BLOCK) * words + c) * KEY_BLOCK + j % KEY_BLOCK;
 }
 
-/* One KV head's keys as blocks of [dim / 2][KEY_BLOCK] words and values as [keys / 2][dim]
- * words (bfloat16), or as [dim][KEY_BLOCK] and [keys][dim] floats (float32); padding zero. */
+/* Key j's row of K and of V into one KV head's packed keys (blocks of [dim / 2][KEY_BLOCK]
+ * words in bfloat16, [dim][KEY_BLOCK] floats in float32) and values ([keys / 2][dim] words,
+ * [keys][dim] floats). */
+INLINE void pack_row(const char *k, const char *v, int j, int dim, int bf16, void *kt, void *vp) {
+    if (bf16) {
+        const uint32_t *kw = (const uint32_t *)k;
+        for (int p = 0; p < dim / 2; p++) ((uint32_t *)kt)[key_at(p, j, dim / 2)] = kw[p];
+        const uint16_t *vr = (const uint16_t *)v;
+        uint16_t *half = (uint16_t *)((uint32_t *)vp + (int64_t)(j / 2) * dim) + (j & 1);
+        for (int d = 0; d < dim; d++) half[2 * d] = vr[d];
+    } else {
+        const float *kr = (const float *)k;
+        for (int d = 0; d < dim; d++) ((float *)kt)[key_at(d, j, dim)] = kr[d];
+        memcpy((float *)vp + (int64_t)j * dim, v, sizeof(float) * dim);
+    }
+}
+
+/* One KV head's `len` keys and values, rows `stride` elements apart, packed; padding zero. */
 static void pack(const char *k, const char *v, int64_t stride, int len, int padded, int dim,
                  int bf16, void *kt, void *vp) {
+    const int64_t elem = bf16 ? 2 : 4;
     memset(kt, 0, sizeof(float) * (size_t)padded * dim);
     memset(vp, 0, sizeof(float) * (size_t)padded * dim);
-    for (int j = 0; j < len; j++) {
-        if (bf16) {
-            const uint32_t *kw = (const uint32_t *)(k + j * stride * 2);
-            for (int p = 0; p < dim / 2; p++) ((uint32_t *)kt)[key_at(p, j, dim / 2)] = kw[p];
-            const uint16_t *vr = (const uint16_t *)(v + j * stride * 2);
-            uint16_t *half = (uint16_t *)((uint32_t *)vp + (int64_t)(j / 2) * dim) + (j & 1);
-            for (int d = 0; d < dim; d++) half[2 * d] = vr[d];
-        } else {
-            const float *kr = (const float *)(k + j * stride * 4);
-            for (int d = 0; d < dim; d++) ((float *)kt)[key_at(d, j, dim)] = kr[d];
-            memcpy((float *)vp + (int64_t)j * dim, v + j * stride * 4, sizeof(float) * dim);
-        }
-    }
+    for (int j = 0; j < len; j++) pack_row(k + j * stride * elem, v + j * stride * elem, j, dim, bf16, kt, vp);
 }
 
 /* Sixteen keys' scores for `rows` query rows (q rows q_stride elements apart). */
@@ -115,11 +120,11 @@ INLINE void row_softmax(const float *s, int n, float top, const int dim, const i
         _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
 }
 
-/* Keys j0 .. j0 + n - 1 for `rows` query rows (row 0 at `position`; keys after a row's
- * position masked): scores, the running max and sum moved on, the rows' value sums rescaled
+/* Keys j0 .. j0 + n - 1 for `rows` query rows (row r at `position` + r * `rise`; keys after
+ * a row's position masked): scores, the running max and sum moved on, the rows' value sums rescaled
  * (acc, rows `dim` floats apart), and the block's probabilities into p in the model's dtype
  * (unnormalised: the sum divides at the end), rows KEY_BLOCK apart. */
-INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt, int j0, int n, int position, const int rows, const int dim,
+INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt, int j0, int n, int position, int rise, const int rows, const int dim,
                                 const int bf16, float scale, Running *run, float *acc,
                                 float *s, char *p) {
     const int elem = bf16 ? 2 : 4;
@@ -131,7 +136,7 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
         __m512i at = _mm512_add_epi32(_mm512_set1_epi32(j0 + j), _mm512_setr_epi32(
             0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         for (int r = 0; r < rows; r++) {
-            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r));
+            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
             __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
                                             _mm512_mul_ps(dot[r], _mm512_set1_ps(scale)));
             _mm512_storeu_ps(s + r * KEY_BLOCK + j, x);
@@ -257,9 +262,10 @@ static void amx_values(const char *p, const char *vp, int j0, int n, int dim, fl
         _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
 }
 
-/* Sixteen rows of one head (row 0 at `position`) against one key block, in bfloat16. */
+/* Sixteen rows of one head (row r at `position` + r * `rise`) against one key block, in
+ * bfloat16. */
 static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                           int j0, int n, int position, int dim, float scale, Running *run,
+                           int j0, int n, int position, int rise, int dim, float scale, Running *run,
                            float *acc, float *s, char *p, float *part) {
     amx_scores(q, q_stride, kt, j0, n, dim, s);
     const __m512i at0 = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_setr_epi32(
@@ -270,7 +276,7 @@ static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, cons
         __m512 maxv = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < n; j += KEYS) {
             __m512i at = _mm512_add_epi32(at0, _mm512_set1_epi32(j));
-            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r));
+            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
             __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
                                             _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
             _mm512_storeu_ps(row + j, x);
@@ -289,16 +295,16 @@ static int amx_permitted(void) { return 0; }
 static void amx_configure(void) {}
 static void _tile_release(void) {}
 static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                           int j0, int n, int position, int dim, float scale, Running *run,
-                           float *acc, float *s, char *p, float *part) {} /* never called */
+                           int j0, int n, int position, int rise, int dim, float scale,
+                           Running *run, float *acc, float *s, char *p, float *part) {} /* never called */
 #endif
 
 /* Rows of one head against one key block, inlined for the common shapes. */
-static void rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp, int j0, int n, int position, int rows, int chunks, int bf16,
+static void rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp, int j0, int n, int position, int rise, int rows, int chunks, int bf16,
                        float scale, Running *run, float *acc, float *s, char *p) {
 #define BLOCK(R, C, B)                                                                         \
     if (rows == R && chunks == C && bf16 == B) {                                               \
-        block_probabilities(q, q_stride, kt, j0, n, position, R, C * 16, B, scale,            \
+        block_probabilities(q, q_stride, kt, j0, n, position, rise, R, C * 16, B, scale,      \
                             run, acc, s, p);                                                   \
         block_values(p, vp, j0, n, R, C, B, acc);                                              \
         return;                                                                                \
@@ -307,38 +313,47 @@ static void rows_block(const char *q, int64_t q_stride, const void *kt, const vo
 #undef BLOCK
     const int elem = bf16 ? 2 : 4, dim = chunks * 16;
     for (int r = 0; r < rows; r++) {
-        block_probabilities(q + r * q_stride * elem, q_stride, kt, j0, n, position + r,
-                            1, dim, bf16, scale, run + r, acc + r * dim, s, p);
+        block_probabilities(q + r * q_stride * elem, q_stride, kt, j0, n, position + r * rise,
+                            rise, 1, dim, bf16, scale, run + r, acc + r * dim, s, p);
         block_values(p, vp, j0, n, 1, chunks, bf16, acc + r * dim);
     }
 }
 
-/* Query rows i0 .. i0 + rows - 1 of one head (row 0 at `position`), key block by key block:
- * the packed K and V of a block stay in cache for every row of the chunk. */
-static void rows_chunk(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                       int position, int rows, int chunks, int bf16, int amx, float scale,
-                       Running *run, float *acc, float *s, char *p, float *part_sums,
-                       char *out, int64_t out_stride) {
+/* Query rows of one head (row r at `position` + r * `rise`), key block by key block, into their
+ * running softmax (run) and unnormalised value sums (acc, rows dim floats apart): the packed
+ * K and V of a block stay in cache for every row. */
+static void rows_walk(const char *q, int64_t q_stride, const void *kt, const void *vp,
+                      int position, int rise, int rows, int chunks, int bf16, int amx,
+                      float scale, Running *run, float *acc, float *s, char *p, float *part_sums) {
     const int dim = chunks * 16, elem = bf16 ? 2 : 4, block = chunks <= 4 ? 4 : 2;
     for (int r = 0; r < rows; r++) run[r] = (Running){-INFINITY, 0.0f};
     memset(acc, 0, sizeof(float) * (size_t)rows * dim);
-    int keys = (position + rows - 1 + KEYS) / KEYS * KEYS; /* through the last row's key */
+    int keys = (position + (rows - 1) * rise + KEYS) / KEYS * KEYS; /* through the last row's key */
     for (int j0 = 0; j0 < keys; j0 += KEY_BLOCK) {
         int n = keys - j0 < KEY_BLOCK ? keys - j0 : KEY_BLOCK;
         for (int r0 = 0, part; r0 < rows; r0 += part) {
             const int tiles = amx && rows - r0 >= AMX_ROWS;
             part = tiles ? AMX_ROWS : (rows - r0 < block ? rows - r0 : block);
-            if (position + r0 + part - 1 < j0) continue; /* a row sees none of the block */
+            if (position + (r0 + part - 1) * rise < j0) continue; /* no row sees the block */
+            const char *qr = q + (int64_t)r0 * q_stride * elem;
             if (tiles)
-                amx_rows_block(q + (int64_t)r0 * q_stride * elem, q_stride, kt, vp, j0, n,
-                               position + r0, dim, scale, run + r0, acc + r0 * dim, s, p,
-                               part_sums);
+                amx_rows_block(qr, q_stride, kt, vp, j0, n, position + r0 * rise, rise, dim,
+                               scale, run + r0, acc + r0 * dim, s, p, part_sums);
             else
-                rows_block(q + (int64_t)r0 * q_stride * elem, q_stride, kt, vp, j0, n,
-                           position + r0, part, chunks, bf16, scale, run + r0, acc + r0 * dim,
-                           s, p);
+                rows_block(qr, q_stride, kt, vp, j0, n, position + r0 * rise, rise, part, chunks,
+                           bf16, scale, run + r0, acc + r0 * dim, s, p);
         }
     }
+}
+
+/* A prompt's rows of one head, causal, normalised into out (rows out_stride elements apart). */
+static void rows_chunk(const char *q, int64_t q_stride, const void *kt, const void *vp,
+                       int position, int rows, int chunks, int bf16, int amx, float scale,
+                       Running *run, float *acc, float *s, char *p, float *part_sums,
+                       char *out, int64_t out_stride) {
+    const int dim = chunks * 16, elem = bf16 ? 2 : 4;
+    rows_walk(q, q_stride, kt, vp, position, 1, rows, chunks, bf16, amx, scale, run, acc, s, p,
+              part_sums);
     for (int r = 0; r < rows; r++) {
         __m512 inv = _mm512_set1_ps(1.0f / run[r].sum);
         for (int d = 0; d < dim; d += 16)
@@ -394,6 +409,90 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
         free(acc);
         free(run);
     }
+    free(kt);
+    free(vp);
+}
+
+/* One KV head's keys and values from a layer's pages ([blocks, block_size, kv_heads, dim]),
+ * the pages `pages` in order, packed; padding zero. */
+static void pack_pages(const char *k, const char *v, const int32_t *pages, int num_pages,
+                       int block_size, int kv_heads, int head, int padded, int dim, int bf16,
+                       void *kt, void *vp) {
+    const int64_t elem = bf16 ? 2 : 4;
+    memset(kt, 0, sizeof(float) * (size_t)padded * dim);
+    memset(vp, 0, sizeof(float) * (size_t)padded * dim);
+    for (int pg = 0; pg < num_pages; pg++)
+        for (int slot = 0; slot < block_size; slot++) {
+            int64_t at = (((int64_t)pages[pg] * block_size + slot) * kv_heads + head) * dim * elem;
+            pack_row(k + at, v + at, pg * block_size + slot, dim, bf16, kt, vp);
+        }
+}
+
+/* Whether shared_attention runs on tiles here (AMX built and granted): read by kernels/ops.py,
+ * since without them it is no faster than paged_decode reading the pages once per row. */
+int shared_attention_tiles(void) { return HAVE_AMX && amx_permitted(); }
+
+/* Decodes that share their leading pages (a common system prompt, a prompt's n > 1 samples)
+ * attend to those pages once, together: per KV head, every sequence's query heads are the rows
+ * of one prompt, all at the last shared position (nothing masked), so the pages are packed once
+ * and each key block meets up to 64 rows (sixteen at a time as AMX tiles). q: [batch, heads,
+ * dim], sequences q_stride elements apart; k, v: a layer's pages; out: [batch, heads, dim]
+ * float32, normalised; lse: [batch, heads, 2], each row's running max and sum, which
+ * merge_attention (paged_decode.c) weighs against the rest of the sequence's pages. */
+void shared_attention(const void *q, int64_t q_stride, const void *k, const void *v,
+                      const int32_t *pages, int num_pages, int block_size, int batch, int heads,
+                      int kv_heads, int dim, float scale, int bf16, int threads, float *out,
+                      float *lse) {
+    const int group = heads / kv_heads, chunks = dim / 16, elem = bf16 ? 2 : 4;
+    const int len = num_pages * block_size, rows = batch * group;
+    const int padded = (len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    const int amx = bf16 && rows >= AMX_ROWS && amx_permitted();
+    const int unit = amx ? AMX_ROWS : 4, half = rows / 2 / unit * unit;
+    const int chunk = half < unit ? unit : (half > CHUNK ? CHUNK : half);
+    const int parts = (rows + chunk - 1) / chunk;
+    const size_t packed = sizeof(float) * (size_t)padded * dim, row_bytes = (size_t)dim * elem;
+    char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
+    char *qh = malloc(row_bytes * rows * kv_heads); /* [kv_heads][batch * group] query rows */
+    for (int b = 0; b < batch; b++)
+        for (int head = 0; head < heads; head++)
+            memcpy(qh + ((int64_t)(head / group) * rows + b * group + head % group) * row_bytes,
+                   (const char *)q + (b * q_stride + (int64_t)head * dim) * elem, row_bytes);
+#pragma omp parallel num_threads(threads)
+    {
+        float *s = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
+        char *p = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
+        float *acc = malloc(sizeof(float) * CHUNK * (size_t)dim);
+        float *part_sums = malloc(sizeof(float) * AMX_ROWS * (size_t)dim);
+        Running *run = malloc(sizeof(Running) * CHUNK);
+        if (amx) amx_configure();
+#pragma omp for
+        for (int h = 0; h < kv_heads; h++)
+            pack_pages(k, v, pages, num_pages, block_size, kv_heads, h, padded, dim, bf16,
+                       kt + packed * h, vp + packed * h);
+#pragma omp for schedule(dynamic)
+        for (int item = 0; item < kv_heads * parts; item++) {
+            int h = item / parts, i0 = item % parts * chunk;
+            int n = rows - i0 < chunk ? rows - i0 : chunk;
+            rows_walk(qh + ((int64_t)h * rows + i0) * row_bytes, dim, kt + packed * h,
+                      vp + packed * h, len - 1, 0, n, chunks, bf16, amx, scale, run, acc, s, p,
+                      part_sums);
+            for (int r = 0; r < n; r++) {
+                int64_t at = (int64_t)(i0 + r) / group * heads + h * group + (i0 + r) % group;
+                __m512 inv = _mm512_set1_ps(1.0f / run[r].sum);
+                for (int d = 0; d < dim; d += 16)
+                    _mm512_storeu_ps(out + at * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), inv));
+                lse[2 * at] = run[r].max;
+                lse[2 * at + 1] = run[r].sum;
+            }
+        }
+        if (amx) _tile_release();
+        free(part_sums);
+        free(s);
+        free(p);
+        free(acc);
+        free(run);
+    }
+    free(qh);
     free(kt);
     free(vp);
 }

@@ -273,12 +273,15 @@ static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, cons
     const int padded = (n + 31) / 32 * 32;
     for (int r = 0; r < AMX_ROWS; r++) {
         float *row = s + r * KEY_BLOCK;
+        const int last = position + r * rise; /* the row's last key */
         __m512 maxv = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < n; j += KEYS) {
-            __m512i at = _mm512_add_epi32(at0, _mm512_set1_epi32(j));
-            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
-            __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
-                                            _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale)));
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale));
+            if (j0 + j + KEYS - 1 > last) { /* keys past the row's own: masked */
+                __m512i at = _mm512_add_epi32(at0, _mm512_set1_epi32(j));
+                __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(last));
+                x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+            }
             _mm512_storeu_ps(row + j, x);
             maxv = _mm512_max_ps(maxv, x);
         }

@@ -3,9 +3,13 @@
 #pragma once
 #include <immintrin.h>
 
-/* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN). */
+/* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN); with
+ * AVX512-BF16 by the CPU's own conversion, which also flushes denormals to zero. */
 static inline __attribute__((always_inline)) void store16(char *p, __m512 x, const int bf16) {
     if (!bf16) return _mm512_storeu_ps(p, x);
+#ifdef __AVX512BF16__
+    return _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+#endif
     __m512i u = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);

@@ -49,7 +49,7 @@ def paged_decode(
     """
     batch, heads, dim = q.shape
     _, _, block_size, kv_heads, _ = pages.shape
-    if q.stride(2) != 1 or q.stride(1) != dim:
+    if not _heads_in_rows(q):
         q = q.contiguous()
     library.load().paged_decode(
         q.data_ptr(),
@@ -93,7 +93,7 @@ def shared_attention(
     and sum, for ``merge_attention``. q and pages as ``paged_decode`` takes them."""
     batch, heads, dim = q.shape
     _, _, block_size, kv_heads, _ = pages.shape
-    if q.stride(2) != 1 or q.stride(1) != dim:
+    if not _heads_in_rows(q):
         q = q.contiguous()
     out = torch.empty(batch, heads, dim)
     lse = torch.empty(batch, heads, 2)

@@ -187,14 +187,16 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* This thread's tiles, each 16 rows of 64 bytes. */
-static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+/* This thread's tiles, each 16 rows of 64 bytes. A constant object: a configuration built on
+ * the stack had its stores dropped by GCC 12 (ldtilecfg's read of it is not seen), and the
+ * half-written one faulted. */
+static const TileConfig TILES = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static void amx_configure(void) { _tile_loadconfig(&TILES); }
 
 /* Whether the kernel may use the tiles: Linux grants AMX state per process on request
  * (ARCH_REQ_XCOMP_PERM for XTILEDATA), once; oneDNN asks the same. */
@@ -322,13 +324,42 @@ static void rows_block(const char *q, int64_t q_stride, const void *kt, const vo
     }
 }
 
+/* One thread's buffers for rows_walk, and its tiles configured when it uses them. */
+typedef struct {
+    float *s, *acc, *part_sums;
+    char *p;
+    Running *run;
+    int amx;
+} Scratch;
+
+static Scratch scratch_new(int dim, int amx) {
+    Scratch w = {malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK),
+                 malloc(sizeof(float) * CHUNK * (size_t)dim),
+                 malloc(sizeof(float) * AMX_ROWS * (size_t)dim),
+                 malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK),
+                 malloc(sizeof(Running) * CHUNK), amx};
+    if (amx) amx_configure();
+    return w;
+}
+
+static void scratch_free(Scratch *w) {
+    if (w->amx) _tile_release();
+    free(w->s);
+    free(w->acc);
+    free(w->part_sums);
+    free(w->p);
+    free(w->run);
+}
+
 /* Query rows of one head (row r at `position` + r * `rise`), key block by key block, into their
  * running softmax (run) and unnormalised value sums (acc, rows dim floats apart): the packed
  * K and V of a block stay in cache for every row. */
 static void rows_walk(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                      int position, int rise, int rows, int chunks, int bf16, int amx,
-                      float scale, Running *run, float *acc, float *s, char *p, float *part_sums) {
-    const int dim = chunks * 16, elem = bf16 ? 2 : 4, block = chunks <= 4 ? 4 : 2;
+                      int position, int rise, int rows, int chunks, int bf16, float scale,
+                      Scratch *w) {
+    const int dim = chunks * 16, elem = bf16 ? 2 : 4, block = chunks <= 4 ? 4 : 2, amx = w->amx;
+    Running *run = w->run;
+    float *acc = w->acc;
     for (int r = 0; r < rows; r++) run[r] = (Running){-INFINITY, 0.0f};
     memset(acc, 0, sizeof(float) * (size_t)rows * dim);
     int keys = (position + (rows - 1) * rise + KEYS) / KEYS * KEYS; /* through the last row's key */
@@ -341,27 +372,25 @@ static void rows_walk(const char *q, int64_t q_stride, const void *kt, const voi
             const char *qr = q + (int64_t)r0 * q_stride * elem;
             if (tiles)
                 amx_rows_block(qr, q_stride, kt, vp, j0, n, position + r0 * rise, rise, dim,
-                               scale, run + r0, acc + r0 * dim, s, p, part_sums);
+                               scale, run + r0, acc + r0 * dim, w->s, w->p, w->part_sums);
             else
                 rows_block(qr, q_stride, kt, vp, j0, n, position + r0 * rise, rise, part, chunks,
-                           bf16, scale, run + r0, acc + r0 * dim, s, p);
+                           bf16, scale, run + r0, acc + r0 * dim, w->s, w->p);
         }
     }
 }
 
 /* A prompt's rows of one head, causal, normalised into out (rows out_stride elements apart). */
 static void rows_chunk(const char *q, int64_t q_stride, const void *kt, const void *vp,
-                       int position, int rows, int chunks, int bf16, int amx, float scale,
-                       Running *run, float *acc, float *s, char *p, float *part_sums,
+                       int position, int rows, int chunks, int bf16, float scale, Scratch *w,
                        char *out, int64_t out_stride) {
     const int dim = chunks * 16, elem = bf16 ? 2 : 4;
-    rows_walk(q, q_stride, kt, vp, position, 1, rows, chunks, bf16, amx, scale, run, acc, s, p,
-              part_sums);
+    rows_walk(q, q_stride, kt, vp, position, 1, rows, chunks, bf16, scale, w);
     for (int r = 0; r < rows; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / run[r].sum);
+        __m512 inv = _mm512_set1_ps(1.0f / w->run[r].sum);
         for (int d = 0; d < dim; d += 16)
             store16(out + (r * out_stride + d) * elem,
-                    _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), inv), bf16);
+                    _mm512_mul_ps(_mm512_loadu_ps(w->acc + r * dim + d), inv), bf16);
     }
 }
 
@@ -385,12 +414,7 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
     char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
-        char *p = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
-        float *acc = malloc(sizeof(float) * CHUNK * (size_t)dim);
-        float *part_sums = malloc(sizeof(float) * AMX_ROWS * (size_t)dim);
-        Running *run = malloc(sizeof(Running) * CHUNK);
-        if (amx) amx_configure();
+        Scratch w = scratch_new(dim, amx);
 #pragma omp for
         for (int h = 0; h < kv_heads; h++)
             pack((const char *)k + (int64_t)h * dim * elem, (const char *)v + (int64_t)h * dim * elem,
@@ -402,15 +426,9 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
             int rows = q_len - i0 < chunk ? q_len - i0 : chunk, h = head / group;
             rows_chunk((const char *)q + ((int64_t)i0 * q_stride + head * dim) * elem, q_stride,
                        kt + packed * h, vp + packed * h, offset + i0, rows, chunks, bf16,
-                       amx, scale, run, acc, s, p, part_sums,
-                       (char *)out + ((int64_t)i0 * out_stride + head * dim) * elem, out_stride);
+                       scale, &w, (char *)out + ((int64_t)i0 * out_stride + head * dim) * elem, out_stride);
         }
-        if (amx) _tile_release();
-        free(part_sums);
-        free(s);
-        free(p);
-        free(acc);
-        free(run);
+        scratch_free(&w);
     }
     free(kt);
     free(vp);
@@ -462,12 +480,7 @@ void shared_attention(const void *q, int64_t q_stride, const void *k, const void
                    (const char *)q + (b * q_stride + (int64_t)head * dim) * elem, row_bytes);
 #pragma omp parallel num_threads(threads)
     {
-        float *s = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
-        char *p = malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK);
-        float *acc = malloc(sizeof(float) * CHUNK * (size_t)dim);
-        float *part_sums = malloc(sizeof(float) * AMX_ROWS * (size_t)dim);
-        Running *run = malloc(sizeof(Running) * CHUNK);
-        if (amx) amx_configure();
+        Scratch w = scratch_new(dim, amx);
 #pragma omp for
         for (int h = 0; h < kv_heads; h++)
             pack_pages(k, v, pages, num_pages, block_size, kv_heads, h, padded, dim, bf16,
@@ -477,23 +490,17 @@ void shared_attention(const void *q, int64_t q_stride, const void *k, const void
             int h = item / parts, i0 = item % parts * chunk;
             int n = rows - i0 < chunk ? rows - i0 : chunk;
             rows_walk(qh + ((int64_t)h * rows + i0) * row_bytes, dim, kt + packed * h,
-                      vp + packed * h, len - 1, 0, n, chunks, bf16, amx, scale, run, acc, s, p,
-                      part_sums);
+                      vp + packed * h, len - 1, 0, n, chunks, bf16, scale, &w);
             for (int r = 0; r < n; r++) {
                 int64_t at = (int64_t)(i0 + r) / group * heads + h * group + (i0 + r) % group;
-                __m512 inv = _mm512_set1_ps(1.0f / run[r].sum);
+                __m512 inv = _mm512_set1_ps(1.0f / w.run[r].sum);
                 for (int d = 0; d < dim; d += 16)
-                    _mm512_storeu_ps(out + at * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), inv));
-                lse[2 * at] = run[r].max;
-                lse[2 * at + 1] = run[r].sum;
+                    _mm512_storeu_ps(out + at * dim + d, _mm512_mul_ps(_mm512_loadu_ps(w.acc + r * dim + d), inv));
+                lse[2 * at] = w.run[r].max;
+                lse[2 * at + 1] = w.run[r].sum;
             }
         }
-        if (amx) _tile_release();
-        free(part_sums);
-        free(s);
-        free(p);
-        free(acc);
-        free(run);
+        scratch_free(&w);
     }
     free(qh);
     free(kt);

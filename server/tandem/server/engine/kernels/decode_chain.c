@@ -27,7 +27,7 @@ typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64
 void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
-                  float scale, int bf16, int threads);
+                  float scale, int bf16, int threads, float *lse);
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -80,7 +80,8 @@ static void attention(const chain_layer *l, const chain_step *s, char *h, char *
          s->rotary_dim, width, bf16, t);
     write_kv(l, s, qkv, width);
     paged_decode(qkv, width, l->k_pages, l->v_pages, attn, q_size, s->tables, s->width, s->lens,
-                 n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale, bf16, t);
+                 n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale, bf16, t,
+                 NULL);
     l->gemv[O](attn, q_size, l->blocks[O], l->block_stride[O], o, H, n, H, q_size, l->qtype[O],
                bf16, t);
     add_rows(h, o, (int64_t)n * H, bf16);

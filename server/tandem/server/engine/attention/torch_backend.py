@@ -6,9 +6,10 @@ place; in bfloat16 on a CPU with AMX, when they all begin with the same pages (a
 prompt, a prompt's ``n > 1`` samples: ``SHARED_MIN_TOKENS`` or more), those pages are attended
 once for all of them (``kernels.shared_attention``: every row's queries against the packed
 pages as one prompt, in tiles) and merged by their softmax sums with the rest
-(``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two ``bmm`` calls per group, and
-the pages every decode of a group shares at the start of its block table (a common system
-prompt, ``n > 1`` siblings) are gathered and attended once for all of them. Prefills run one
+(``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two
+``bmm`` calls per group, and the pages every decode of a group shares at the start of its
+block table (a common system prompt, ``n > 1`` siblings) are gathered and attended once for
+all of them. Prefills run one
 ``scaled_dot_product_attention`` call each, so no prompt pays for another's padding; on an
 AVX-512 CPU, one call each of ``kernels.prefill_attention`` instead (bfloat16 where the CPU
 has AVX512-BF16).

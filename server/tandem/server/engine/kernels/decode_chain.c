@@ -80,8 +80,8 @@ static void attention(const chain_layer *l, const chain_step *s, char *h, char *
          s->rotary_dim, width, bf16, t);
     write_kv(l, s, qkv, width);
     paged_decode(qkv, width, l->k_pages, l->v_pages, attn, q_size, s->tables, s->width, s->lens,
-                 n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale, bf16, t,
-                 NULL);
+                 n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale,
+                 bf16, t, NULL);
     l->gemv[O](attn, q_size, l->blocks[O], l->block_stride[O], o, H, n, H, q_size, l->qtype[O],
                bf16, t);
     add_rows(h, o, (int64_t)n * H, bf16);

@@ -12,8 +12,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tandem.server.engine import LLM, SamplingParams, kernels
+from tandem.server.engine import LLM, SamplingParams, decode_chain, kernels
+from tandem.server.engine.attention.torch_backend import (
+    SHARED_MIN_ROWS,
+    SHARED_MIN_TOKENS,
+    shared_start,
+)
 from tandem.server.engine.decode_chain import DecodeChain
+from tandem.server.engine.default_model import default_model_path
+from tandem.server.engine.models.layers import TILE_ROWS
 
 from .test_spec_decode import Oracle
 from .utils import encoder, write_gguf
@@ -41,6 +48,19 @@ def _generate(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]
     return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
+def _rows_of_each_call(chain: DecodeChain) -> list[int]:
+    """The rows of each step ``chain`` runs from now on, in order."""
+    calls: list[int] = []
+    original = chain.run
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(len(args[0]))
+        return original(*args)
+
+    chain.run = counted
+    return calls
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("arch", "qtype"), [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_0)]
@@ -52,16 +72,8 @@ def test_chain_equals_the_modules_bit_for_bit(
     """Under ``int8`` both paths take each layer's int8 kernel: equal to each other still."""
     llm = _engine(tiny_models, tmp_path, arch, qtype, dtype, mode)
     runner = llm.engine.worker.runner
-    chain = runner._chain
-    assert chain is not None
-    calls = []
-    original = chain.run
-
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(len(args[0]))
-        return original(*args)
-
-    chain.run = counted
+    assert runner._chain is not None
+    calls = _rows_of_each_call(runner._chain)
     got = _generate(llm, PROMPTS)
     assert calls and set(calls) <= {1, 2, 3}  # decode steps of the batch ran as a chain
     runner._chain = None
@@ -72,10 +84,11 @@ def test_steps_past_the_chain_run_the_modules(tiny_models, tmp_path) -> None:
     """Nine rows: past the quantized kernel's eight, so past the chain; the same tokens."""
     llm = _engine(tiny_models, tmp_path, "llama", Q.Q4_1, "float32")
     prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
-    assert DecodeChain.takes([1] * 8, [10] * 8) and not DecodeChain.takes([1] * 9, [10] * 9)
-    assert not DecodeChain.takes([1, 4], [10, 4])  # a fresh prompt in the step
-    assert DecodeChain.takes([1, 5], [10, 20])  # a decode and a verification of 4 proposals
-    assert not DecodeChain.takes([5, 4], [10, 20])  # nine tokens
+    chain = llm.engine.worker.runner._chain
+    assert chain.takes([1] * 8, [10] * 8) and not chain.takes([1] * 9, [10] * 9)
+    assert not chain.takes([1, 4], [10, 4])  # a fresh prompt in the step
+    assert chain.takes([1, 5], [10, 20])  # a decode and a verification of 4 proposals
+    assert not chain.takes([5, 4], [10, 20])  # nine tokens
     got = _generate(llm, prompts)
     llm.engine.worker.runner._chain = None
     assert _generate(llm, prompts) == got
@@ -87,10 +100,56 @@ def test_models_with_q_k_norm_keep_the_modules(tiny_models, tmp_path) -> None:
 
 
 def test_dequantized_weights_keep_the_modules(tiny_models, tmp_path) -> None:
+    """In float32: in bfloat16 on an AMX CPU they chain in tiles (below)."""
     path = tmp_path / "llama.gguf"
     write_gguf(tiny_models["llama"], path, encoder(Q.Q4_1))
     llm = LLM(str(path), kv_cache_tokens=2048, quantized_weights="off")
     assert llm.engine.worker.runner._chain is None
+
+
+@pytest.fixture
+def need_tiles() -> None:
+    if not kernels.tile_linear_for(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("the chain in tiles needs a CPU with AMX")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q|k|v bias, added in the tiles
+def test_tiles_chain_equals_the_modules_bit_for_bit(tiny_models, arch, need_tiles) -> None:
+    """Any bfloat16 checkpoint chains in tiles, up to TILE_ROWS rows a step."""
+    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", kv_cache_tokens=4096)
+    runner = llm.engine.worker.runner
+    chain = runner._chain
+    assert chain is not None and chain.tiles
+    assert chain.takes([1] * TILE_ROWS, [10] * TILE_ROWS)
+    assert not chain.takes([1] * (TILE_ROWS + 1), [10] * (TILE_ROWS + 1))
+    calls = _rows_of_each_call(chain)
+    prompts = [f"{p} {i}" for i in range(7) for p in PROMPTS]  # 21 rows a decode step
+    got = _generate(llm, prompts)
+    assert calls and max(calls) == len(prompts)
+    runner._chain = None
+    assert _generate(llm, prompts) == got
+
+
+def test_tiles_chain_attends_shared_pages_once_as_the_modules_do(need_tiles, monkeypatch) -> None:
+    """Decodes that begin with the same pages (a long common prefix) attend to them once in
+    the chain too (the default model, dequantized: heads of 64, which shared_attention takes)."""
+    llm = LLM(default_model_path(), dtype="bfloat16", kv_cache_tokens=8192, quantized_weights="off")
+    runner = llm.engine.worker.runner
+    chain = runner._chain
+    assert chain is not None and chain.shared_pages
+    shared = []
+
+    def recorded(*args: object) -> int:
+        shared.append(shared_start(*args))
+        return shared[-1]
+
+    monkeypatch.setattr(decode_chain, "shared_start", recorded)
+    prefix = "You are a careful assistant. Answer briefly and plainly. " * 8
+    prompts = [f"{prefix}Question {i}: name a colour." for i in range(SHARED_MIN_ROWS + 2)]
+    got = _generate(llm, prompts)
+    assert max(shared) * runner.kv_cache.block_size >= SHARED_MIN_TOKENS
+    runner._chain = None
+    assert _generate(llm, prompts) == got
 
 
 @pytest.mark.parametrize("level", [1, 2])

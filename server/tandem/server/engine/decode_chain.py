@@ -9,12 +9,15 @@ the int8 one under ``quantized_weights: int8``), rounding where they round: the 
 module path's bit for bit (``tests/engine/test_decode_chain.py``).
 
 A model qualifies when it runs on CPU in float32 or bfloat16 with the C kernels built, every
-linear of every layer is multiplied from its GGUF blocks (``Linear.use_quantized``), one
+linear of every layer is multiplied from its GGUF blocks (``Linear.use_quantized``) or, in
+bfloat16 on a CPU with AMX, in tiles (``Linear.tiles``: any checkpoint), one
 tensor-parallel rank, the in-place attention kernel, and no q/k norm or o/MLP bias (Llama,
 Mistral and Qwen2 do; Qwen3's q/k norm does not). A step qualifies with at most
-``kernels.QUANT_MAX_ROWS`` tokens, no fresh prompt and no adapter (``takes``): decodes, and
-speculation's verification rows, which would otherwise lose the chain exactly where
-speculation pays. Anything else runs the modules. Decode rows are the modules' bit for bit; a
+``kernels.QUANT_MAX_ROWS`` tokens (blocks) or ``TILE_ROWS`` (tiles), no fresh prompt and no
+adapter (``takes``): decodes, and speculation's verification rows, which would otherwise lose
+the chain exactly where speculation pays. Anything else runs the modules. Decodes that begin
+with the same pages attend to them once, as the attention backend has them do
+(``shared_start``). Decode rows are the modules' bit for bit; a
 sequence's several new tokens attend as decode rows do (one row each, up to its position),
 where the modules run SDPA: the same attention, summed in another order.
 The chain points at the weights and the KV cache where they are: the runner drops it whenever
@@ -28,8 +31,9 @@ import ctypes
 import torch
 
 from . import kernels
+from .attention.torch_backend import shared_start
 from .kv_cache import KVCache
-from .models.layers import Linear
+from .models.layers import TILE_ROWS, Linear
 from .models.llama import DecoderModel, LlamaForCausalLM
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -45,6 +49,7 @@ class _Layer(ctypes.Structure):
         ("block_stride", ctypes.c_int64 * 4),
         ("qtype", _I * 4),
         ("gemv", _P * 4),
+        ("tiles", _I),
         ("k_pages", _P),
         ("v_pages", _P),
     ]
@@ -60,7 +65,8 @@ class _Step(ctypes.Structure):
             ).split()
         ]
         + [("eps", _F), ("scale", _F)]
-        + [(name, _P) for name in ("slots", "tables", "lens", "cos", "sin")]
+        + [(name, _P) for name in ("slots", "tables", "lens", "cos", "sin", "shared")]
+        + [("num_shared", _I)]
     )
 
 
@@ -79,27 +85,41 @@ def _from_blocks(linear: Linear) -> bool:
     return linear.quantized is not None and linear._quantized_for == (w.data_ptr(), w._version)
 
 
-def _qualifies(model: torch.nn.Module, kv_cache: KVCache, in_place: bool, tp_size: int) -> bool:
-    """Whether ``model``'s layers can run as a chain (see the module's docstring)."""
+def _products(model: torch.nn.Module, kv_cache: KVCache, in_place: bool, tp_size: int) -> str:
+    """How ``model``'s layers' linears run in a chain: ``blocks``, ``tiles``, or ``""`` where
+    the model does not qualify (see the module's docstring)."""
     if not (isinstance(model, LlamaForCausalLM) and in_place and tp_size == 1):
-        return False
-    dtype = kv_cache.dtype
-    lib = kernels.library.load() if kernels.quant_gemv_for(kv_cache.device, dtype) else None
+        return ""
+    dtype, device = kv_cache.dtype, kv_cache.device
+    lib = kernels.library.load() if kernels.quant_gemv_for(device, dtype) else None
     if lib is None or not hasattr(lib, "decode_chain"):
-        return False
+        return ""
     cfg = model.config
     if cfg.qk_norm or cfg.o_bias or cfg.mlp_bias or model.model.embed_tokens.weight.dtype != dtype:
-        return False
-    return all(_from_blocks(lin) for layer in model.model.layers for lin in _linears(layer))
+        return ""
+    linears = [lin for layer in model.model.layers for lin in _linears(layer)]
+    if all(_from_blocks(lin) for lin in linears):
+        return "blocks"
+    return "tiles" if kernels.tile_linear_for(device, dtype) else ""
 
 
 class DecodeChain:
     """One model's layers as ``decode_chain.c`` reads them; ``run`` is one decode step."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, scale: float) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        scale: float,
+        tiles: bool = False,
+        shared_pages: bool = False,
+    ) -> None:
         self.model: DecoderModel = model.model
         self.kv_cache = kv_cache
         self.dtype = kv_cache.dtype
+        self.tiles = tiles
+        self.max_rows = TILE_ROWS if tiles else kernels.QUANT_MAX_ROWS
+        self.shared_pages = shared_pages  # the backend's: attended once where decodes share them
         cfg = model.config
         layers = self.model.layers
         self.layers = (_Layer * len(layers))(
@@ -121,36 +141,56 @@ class DecodeChain:
 
     @classmethod
     def build(
-        cls, model: torch.nn.Module, kv_cache: KVCache, in_place: bool, tp_size: int, scale: float
+        cls,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        in_place: bool,
+        tp_size: int,
+        scale: float,
+        shared_pages: bool = False,
     ) -> DecodeChain | None:
         """The chain of ``model`` where it qualifies (see the module's docstring), else None."""
-        if not _qualifies(model, kv_cache, in_place, tp_size):
+        products = _products(model, kv_cache, in_place, tp_size)
+        if not products:
             return None
-        return cls(model, kv_cache, scale)
+        return cls(model, kv_cache, scale, products == "tiles", shared_pages)
 
     def _layer(self, i: int, layer: torch.nn.Module) -> _Layer:
         linears = _linears(layer)
         lib = kernels.library.load()
         k_pages, v_pages = self.kv_cache.layer(i)
         bias = layer.self_attn.qkv_proj.bias
+        if self.tiles:
+            weights = [lin.tiles() for lin in linears]
+            blocks, strides, qtypes, gemv = (
+                [w.data_ptr() for w in weights],
+                [0] * 4,
+                [0] * 4,
+                [None] * 4,
+            )
+        else:
+            blocks = [lin.quantized.data_ptr() for lin in linears]
+            strides = [lin.quantized.stride(0) for lin in linears]
+            qtypes = [lin.qtype for lin in linears]
+            gemv = [_address(lib, lin.kernel) for lin in linears]
         return _Layer(
             layer.input_layernorm.weight.data_ptr(),
             layer.post_attention_layernorm.weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
-            (_P * 4)(*(lin.quantized.data_ptr() for lin in linears)),
-            (ctypes.c_int64 * 4)(*(lin.quantized.stride(0) for lin in linears)),
-            (_I * 4)(*(lin.qtype for lin in linears)),
-            (_P * 4)(*(_address(lib, lin.kernel) for lin in linears)),
+            (_P * 4)(*blocks),
+            (ctypes.c_int64 * 4)(*strides),
+            (_I * 4)(*qtypes),
+            (_P * 4)(*gemv),
+            int(self.tiles),
             k_pages.data_ptr(),
             v_pages.data_ptr(),
         )
 
-    @staticmethod
-    def takes(query_lens: list[int], kv_lens: list[int]) -> bool:
-        """Whether a step runs as a chain: at most ``QUANT_MAX_ROWS`` tokens, none of them a
-        fresh prompt's (a sequence with context before its new tokens: decodes, speculation's
+    def takes(self, query_lens: list[int], kv_lens: list[int]) -> bool:
+        """Whether a step runs as a chain: at most ``max_rows`` tokens, none of them a fresh
+        prompt's (a sequence with context before its new tokens: decodes, speculation's
         verification rows, the last short chunk of a prompt)."""
-        return sum(query_lens) <= kernels.QUANT_MAX_ROWS and all(
+        return sum(query_lens) <= self.max_rows and all(
             q < n or q == 1 for q, n in zip(query_lens, kv_lens)
         )
 
@@ -167,23 +207,32 @@ class DecodeChain:
         row's K and V are written first), which is causal attention over a few new tokens."""
         h = self.model.embed_tokens(torch.tensor(input_ids, dtype=torch.int64))
         rope = self.model.rotary.tables(torch.tensor(positions, dtype=torch.int64), self.dtype)
-        width = -(-(max(positions) + 1) // self.kv_cache.block_size)
-        rows = [t[:width] + [0] * (width - len(t)) for t in block_tables]
+        bs = self.kv_cache.block_size
+        row_tables = [table for table, q in zip(block_tables, query_lens) for _ in range(q)]
+        lens = [p + 1 for p in positions]
+        decodes = all(q == 1 for q in query_lens)
+        shared = shared_start(row_tables, lens, bs) if self.shared_pages and decodes else 0
+        lens = [n - shared * bs for n in lens]
+        width = -(-max(lens) // bs)
         tables = torch.tensor(
-            [table for table, q in zip(rows, query_lens) for _ in range(q)], dtype=torch.int32
+            [t[shared : shared + width] + [0] * (width + shared - len(t)) for t in row_tables],
+            dtype=torch.int32,
         )
-        lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        shared_t = torch.tensor(row_tables[0][:shared], dtype=torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
         slot_t = torch.tensor(slots, dtype=torch.int64)
         step = _Step(
             rows=len(input_ids),
             width=width,
-            max_len=max(positions) + 1,
+            max_len=max(lens),
             threads=torch.get_num_threads(),
             slots=slot_t.data_ptr(),
             tables=tables.data_ptr(),
-            lens=lens.data_ptr(),
+            lens=lens_t.data_ptr(),
             cos=rope.cos.data_ptr(),
             sin=rope.sin.data_ptr(),
+            shared=shared_t.data_ptr(),
+            num_shared=shared,
             **self.shape,
         )
         kernels.library.load().decode_chain(

@@ -286,7 +286,7 @@ class ModelRunner:
         size = self._graph_size(inputs)
         if size is not None:
             hidden = self._replay(inputs, size)
-        elif self._chain is not None and self._chained(inputs):
+        elif self._chain is not None and self._chained(self._chain, inputs):
             hidden = self._chain.run(
                 inputs.input_ids,
                 inputs.positions,
@@ -306,13 +306,14 @@ class ModelRunner:
         """The CPU's counterpart of the decode graphs, where the model qualifies."""
         in_place = getattr(self.backend, "in_place", False)
         scale = self.model_config.head_dim**-0.5
-        return DecodeChain.build(self.model, self.kv_cache, in_place, self.tp.size, scale)
+        shared = getattr(self.backend, "shared_pages", False)
+        return DecodeChain.build(self.model, self.kv_cache, in_place, self.tp.size, scale, shared)
 
     @staticmethod
-    def _chained(inputs: StepInputs) -> bool:
+    def _chained(chain: DecodeChain, inputs: StepInputs) -> bool:
         if any(s >= 0 for s in inputs.lora_slots):
             return False
-        return DecodeChain.takes(inputs.query_lens, inputs.kv_lens)
+        return chain.takes(inputs.query_lens, inputs.kv_lens)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)

@@ -141,11 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
         bs = self.kv_cache.block_size
         lens = [layout.kv_lens[i] for i in idx]
         tables = [layout.block_tables[i] for i in idx]
-        shared = 0
-        if self.shared_pages and len(idx) >= SHARED_MIN_ROWS:
-            # whole pages every row holds, leaving each row at least its newest token of its own
-            shared = _common_start(tables, (min(lens) - 1) // bs)
-            shared = shared if shared * bs >= SHARED_MIN_TOKENS else 0
+        shared = shared_start(tables, lens, bs) if self.shared_pages else 0
         lens = [n - shared * bs for n in lens]
         width = -(-max(lens) // bs)
         rows = [starts[i] for i in idx]
@@ -264,6 +260,17 @@ def _split_by_length(idx: list[int], layout: BatchLayout) -> list[list[int]]:
     if kv_lens[ordered[-1]] < 2 * kv_lens[ordered[half]]:
         return [idx]
     return [ordered[:half], ordered[half:]]
+
+
+def shared_start(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+    """How many leading pages the decodes with these block tables and context lengths attend
+    to once, together (``kernels.shared_attention``): the whole pages every row holds, leaving
+    each row at least its newest token of its own, when ``SHARED_MIN_ROWS`` or more rows share
+    ``SHARED_MIN_TOKENS`` or more tokens; else 0."""
+    if len(tables) < SHARED_MIN_ROWS:
+        return 0
+    shared = _common_start(tables, (min(lens) - 1) // block_size)
+    return shared if shared * block_size >= SHARED_MIN_TOKENS else 0
 
 
 def _common_start(tables: list[list[int]], limit: int) -> int:

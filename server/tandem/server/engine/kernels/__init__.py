@@ -1,15 +1,20 @@
 """C kernels for the CPU path, built once per machine and called through ctypes.
 
 ``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only),
-``prefill_attention.c`` a prompt's causal attention (AVX-512; bfloat16 with AVX512-BF16);
-``layers.c`` holds the elementwise parts of a decoder layer (RMSNorm, SiLU * up, rotary
-embedding), one pass each instead of several torch ops; ``quant_gemv.c`` multiplies a few rows
-by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (AVX-512 only), and ``quant_vnni.c``
-the same product with x quantized to int8 per block, as llama.cpp does (AVX512-VNNI); ``decode_chain.c`` runs
-every decoder layer of a small decode step in one call, chaining the others. ``library.py`` builds and loads them; ``ops.py`` is the typed
-Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for 16-bit
-CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot (no C
-compiler, a GPU, float16) and that the tests compare them against.
+with ``merge_attention`` weighing a row's own pages against pages shared with other rows;
+``prefill_attention.c`` a prompt's causal attention (AVX-512; bfloat16 with AVX512-BF16, in
+AMX tiles where the CPU has them) and ``shared_attention``, the pages every decode of a step
+begins with attended once for all of them; ``layers.c`` holds the elementwise parts of a
+decoder layer (RMSNorm, SiLU * up, rotary embedding), one pass each instead of several torch
+ops; ``quant_gemv.c`` multiplies a few rows by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1
+blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to int8 per
+block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` multiplies a decode step's bfloat16
+rows by a weight kept in AMX's tile layout; ``decode_chain.c`` runs every decoder layer of a
+small decode step in one call, chaining the others. ``kernels.h`` declares what they export,
+``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
+typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
+16-bit CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot
+(no C compiler, a GPU, float16) and that the tests compare them against.
 """
 
 from . import cuda_ops
@@ -33,6 +38,9 @@ from .ops import (
     shared_attention,
     shared_attention_for,
     silu_and_mul,
+    tile_linear,
+    tile_linear_for,
+    tile_pack,
 )
 
 __all__ = [
@@ -56,4 +64,7 @@ __all__ = [
     "shared_attention",
     "shared_attention_for",
     "silu_and_mul",
+    "tile_linear",
+    "tile_linear_for",
+    "tile_pack",
 ]

@@ -4,39 +4,36 @@
  *
  * It chains this library's own kernels in the order models/llama.py runs them, storing every
  * result in the model's dtype where the module path does, so its output is the module path's
- * bit for bit: RMSNorm, the q|k|v product from GGUF blocks (plus bias), rotary embedding in
- * place, the new K/V written to their slots, paged attention, the output projection and the
- * residual; RMSNorm, gate|up, SiLU * up, down and the residual. It takes the layouts
+ * bit for bit: RMSNorm, the q|k|v product (from GGUF blocks, or in AMX tiles) plus bias,
+ * rotary embedding in place, the new K/V written to their slots, paged attention (the pages
+ * every row begins with attended once, merged with each row's own), the output projection
+ * and the residual; RMSNorm, gate|up, SiLU * up, down and the residual. It takes the layouts
  * kernels/ops.py documents for each kernel; the Python side (decode_chain.py) decides when a
- * step qualifies (decode only, few rows, every linear from blocks, no adapter, no q/k norm).
+ * step qualifies (decode only, few rows, every linear from blocks or in tiles, no adapter, no
+ * q/k norm).
  */
 #ifdef __AVX512F__
 #include <stdlib.h>
 
 #include "convert.h"
+#include "kernels.h"
 
-void rms_norm(const void *x, void *out, const void *weight, int rows, int dim, int64_t x_stride,
-              float eps, int bf16, int threads);
-void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int threads);
-void rope(void *x, const void *cos, const void *sin, int tokens, int heads, int head_dim,
-          int rotary_dim, int64_t token_stride, int bf16, int threads);
 /* quant_gemv, or quant_gemv_q8 (int8 x) where the engine asked for it: the layer's own choice */
 typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                         void *y, int64_t y_stride, int rows, int N, int K, int qtype, int bf16,
                         int threads);
-void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
-                  int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
-                  int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
-                  float scale, int bf16, int threads, float *lse);
+/* Built only with AMX: where it is not, the Python side never asks for tiles. */
+#pragma weak tile_linear
 
 enum { QKV, O, GATE_UP, DOWN };
 
 typedef struct { /* one layer's weights (model dtype) and its pages of the KV cache */
     const void *in_norm, *post_norm, *qkv_bias; /* qkv_bias: NULL without one */
-    const uint8_t *blocks[4];                   /* QKV, O, GATE_UP, DOWN */
-    int64_t block_stride[4];                    /* bytes between two output rows' blocks */
+    const uint8_t *blocks[4]; /* QKV, O, GATE_UP, DOWN: GGUF blocks, or tile_pack's copies */
+    int64_t block_stride[4];  /* bytes between two output rows' blocks */
     int qtype[4];
-    gemv_fn gemv[4]; /* each linear's block kernel (Linear.kernel) */
+    gemv_fn gemv[4]; /* each linear's block kernel (Linear.kernel); unused with tiles */
+    int tiles;       /* 1: the weights are in tiles (tile_linear), bfloat16 */
     void *k_pages, *v_pages; /* [blocks, block_size, kv_heads, head_dim] */
 } chain_layer;
 
@@ -45,13 +42,47 @@ typedef struct { /* the model's shapes and this step's rows */
     int block_size, width, max_len, bf16, threads;
     float eps, scale;
     const int64_t *slots;         /* [rows] the new token's KV slot */
-    const int32_t *tables, *lens; /* [rows, width] pages, [rows] context lengths */
-    const void *cos, *sin;        /* [rows, rotary_dim] */
+    const int32_t *tables, *lens; /* [rows, width] pages, [rows] context lengths, both after */
+    const void *cos, *sin;        /* [rows, rotary_dim]                      the shared pages */
+    const int32_t *shared;        /* [num_shared] pages every row begins with, attended once */
+    int num_shared;               /* (shared_attention, as the attention backend does) or 0 */
 } chain_step;
 
 /* dst[r, i] = dtype(dst[r, i] + add[r, i]): torch's ``h + x`` in the model's dtype. */
 static void add_rows(void *dst, const void *add, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++) store(dst, i, load(dst, i, bf16) + load(add, i, bf16), bf16);
+}
+
+/* y [rows, N] = x [rows, K] times linear `which` of the layer (plus bias, or NULL), rounded
+ * where the module path rounds: tiles add the bias before rounding, as oneDNN's product does;
+ * GGUF blocks after, as Linear adds it to quant_gemv's result. */
+static void product(const chain_layer *l, const chain_step *s, int which, const char *x, int K,
+                    char *y, int N, const void *bias) {
+    if (l->tiles) {
+        tile_linear((const uint16_t *)x, K, s->rows, K, (const uint16_t *)l->blocks[which], N,
+                    bias, (uint16_t *)y, N, s->threads);
+        return;
+    }
+    l->gemv[which](x, K, l->blocks[which], l->block_stride[which], y, N, s->rows, N, K,
+                   l->qtype[which], s->bf16, s->threads);
+    if (bias)
+        for (int r = 0; r < s->rows; r++) add_rows(y + (int64_t)r * N * (s->bf16 ? 2 : 4), bias, N, s->bf16);
+}
+
+/* Every row's attention over its pages: the shared ones once for all rows (shared_attention)
+ * merged with each row's own, or each row's all (paged_decode). */
+static void attend(const chain_layer *l, const chain_step *s, const char *qkv, int width,
+                   char *attn, float *lse, float *shared_out, float *shared_lse) {
+    const int q_size = s->heads * s->head_dim, shared = s->num_shared > 0;
+    paged_decode(qkv, width, l->k_pages, l->v_pages, attn, q_size, s->tables, s->width, s->lens,
+                 s->rows, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len,
+                 s->scale, s->bf16, s->threads, shared ? lse : NULL);
+    if (!shared) return;
+    shared_attention(qkv, width, l->k_pages, l->v_pages, s->shared, s->num_shared, s->block_size,
+                     s->rows, s->heads, s->kv_heads, s->head_dim, s->scale, s->bf16, s->threads,
+                     shared_out, shared_lse);
+    merge_attention(attn, q_size, lse, shared_out, shared_lse, s->rows, s->heads, s->head_dim,
+                    s->bf16);
 }
 
 /* The new tokens' K and V (columns q_size.. of the q|k|v rows) into their slots. */
@@ -66,24 +97,19 @@ static void write_kv(const chain_layer *l, const chain_step *s, const char *qkv,
 }
 
 static void attention(const chain_layer *l, const chain_step *s, char *h, char *xn, char *qkv,
-                      char *attn, char *o) {
+                      char *attn, char *o, float *lse) {
     const int bf16 = s->bf16, t = s->threads, n = s->rows, H = s->hidden;
     const int q_size = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
     const int width = q_size + 2 * kv;
     rms_norm(h, xn, l->in_norm, n, H, H, s->eps, bf16, t);
-    l->gemv[QKV](xn, H, l->blocks[QKV], l->block_stride[QKV], qkv, width, n, width, H,
-               l->qtype[QKV], bf16, t);
-    if (l->qkv_bias)
-        for (int r = 0; r < n; r++) add_rows(qkv + (int64_t)r * width * (bf16 ? 2 : 4), l->qkv_bias, width, bf16);
+    product(l, s, QKV, xn, H, qkv, width, l->qkv_bias);
     rope(qkv, s->cos, s->sin, n, s->heads, s->head_dim, s->rotary_dim, width, bf16, t);
     rope(qkv + (int64_t)q_size * (bf16 ? 2 : 4), s->cos, s->sin, n, s->kv_heads, s->head_dim,
          s->rotary_dim, width, bf16, t);
     write_kv(l, s, qkv, width);
-    paged_decode(qkv, width, l->k_pages, l->v_pages, attn, q_size, s->tables, s->width, s->lens,
-                 n, s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_len, s->scale,
-                 bf16, t, NULL);
-    l->gemv[O](attn, q_size, l->blocks[O], l->block_stride[O], o, H, n, H, q_size, l->qtype[O],
-               bf16, t);
+    const int64_t heads = (int64_t)n * s->heads; /* lse: [heads][2] own, shared; then shared out */
+    attend(l, s, qkv, width, attn, lse, lse + 4 * heads, lse + 2 * heads);
+    product(l, s, O, attn, q_size, o, H, NULL);
     add_rows(h, o, (int64_t)n * H, bf16);
 }
 
@@ -91,11 +117,9 @@ static void mlp(const chain_layer *l, const chain_step *s, char *h, char *xn, ch
                 char *act, char *o) {
     const int bf16 = s->bf16, t = s->threads, n = s->rows, H = s->hidden, I = s->inter;
     rms_norm(h, xn, l->post_norm, n, H, H, s->eps, bf16, t);
-    l->gemv[GATE_UP](xn, H, l->blocks[GATE_UP], l->block_stride[GATE_UP], gate_up, 2 * I, n, 2 * I, H,
-               l->qtype[GATE_UP], bf16, t);
+    product(l, s, GATE_UP, xn, H, gate_up, 2 * I, NULL);
     silu_mul(gate_up, act, n, I, bf16, t);
-    l->gemv[DOWN](act, I, l->blocks[DOWN], l->block_stride[DOWN], o, H, n, H, I, l->qtype[DOWN],
-               bf16, t);
+    product(l, s, DOWN, act, I, o, H, NULL);
     add_rows(h, o, (int64_t)n * H, bf16);
 }
 
@@ -108,10 +132,13 @@ void decode_chain(void *h, const chain_layer *layers, int num_layers, const chai
     char *scratch = malloc(n * elem * (2 * (int64_t)s->hidden + widest + q_size + s->inter));
     char *xn = scratch, *o = xn + n * s->hidden * elem, *wide = o + n * s->hidden * elem;
     char *attn = wide + n * widest * elem, *act = attn + n * q_size * elem;
+    /* the shared pages' attention: each row's max and sum, its own, and its output */
+    float *lse = s->num_shared ? malloc(sizeof(float) * n * s->heads * (4 + s->head_dim)) : NULL;
     for (int i = 0; i < num_layers; i++) {
-        attention(&layers[i], s, h, xn, wide, attn, o);
+        attention(&layers[i], s, h, xn, wide, attn, o, lse);
         mlp(&layers[i], s, h, xn, wide, act, o);
     }
+    free(lse);
     free(scratch);
 }
 #endif

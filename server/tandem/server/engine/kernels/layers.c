@@ -5,6 +5,7 @@
  * float32 and for bfloat16, so the dtype is a constant in the loops the compiler vectorises.
  */
 #include "convert.h"
+#include "kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_WORK 65536 /* below this many elements one thread does it all */

@@ -33,9 +33,13 @@ SOURCES = [
         "quant_gemv.c",
         "quant_vnni.c",
         "decode_chain.c",
+        "tile_linear.c",
     )
 ]
-HEADERS = [HERE / f for f in ("convert.h", "vector16.h", "quant_blocks.h", "quant_columns.h")]
+HEADERS = [
+    HERE / f
+    for f in ("amx.h", "convert.h", "kernels.h", "vector16.h", "quant_blocks.h", "quant_columns.h")
+]
 # Reassociation (not -ffast-math: infinities stay) lets the dot products and sums vectorise.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math"]
 FLAGS += ["-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
@@ -65,9 +69,17 @@ SIGNATURES = {
     "quant_gemv_q8": [_P, _I64, _P, _I64, _P, _I64] + [_I] * 6,  # quant_gemv's, AVX512-VNNI
     # h, layers (chain_layer[]), num_layers, step (chain_step *)
     "decode_chain": [_P, _P, _I, _P],
+    # w, n, k, out
+    "tile_pack": [_P, _I, _I, _P],
+    # x, x_stride, m, k, packed, n, bias (or NULL), out, out_stride, threads
+    "tile_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
+    "tile_linear_tiles": [],  # returns an int: RESULTS
 }
 
-RESULTS = {"shared_attention_tiles": _I}  # the functions that return something
+RESULTS = {
+    "shared_attention_tiles": _I,
+    "tile_linear_tiles": _I,
+}  # the functions that return something
 
 
 @functools.cache
@@ -87,7 +99,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
-            # AVX-512 only
+            # AVX-512 only; tile_*: AMX only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib

@@ -6,6 +6,7 @@ Callers check ``cpu_kernels_for`` first and keep their PyTorch code for everythi
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -301,6 +302,54 @@ def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int)
         k,
         qtype,
         DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def tile_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``tile_linear`` runs here: bfloat16 on a CPU with AMX (Sapphire Rapids and
+    later), tiles granted to the process."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and _tiles_granted()
+
+
+@functools.cache
+def _tiles_granted() -> bool:
+    """Whether the library has ``tile_linear`` and the process its tiles: asked once, since
+    every linear layer of a bfloat16 decode step asks."""
+    lib = library.load()
+    return lib is not None and hasattr(lib, "tile_linear") and lib.tile_linear_tiles() == 1
+
+
+def tile_pack(w: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight ``[N, K]`` (``nn.Linear``'s) in ``tile_linear``'s layout: a flat
+    copy holding N and K each rounded up to 32."""
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(-(-n // 32) * 32 * -(-k // 32) * 32, dtype=torch.bfloat16)
+    library.load().tile_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def tile_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for x ``[M, K]`` bfloat16 and W ``[n, K]`` packed by ``tile_pack``:
+    ``[M, n]`` bfloat16, the float32 sums rounded once as oneDNN's product rounds them."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    library.load().tile_linear(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        packed.data_ptr(),
+        n,
+        None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
         torch.get_num_threads(),
     )
     return out

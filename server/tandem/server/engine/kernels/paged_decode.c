@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "convert.h"
+#include "kernels.h"
 #include "vector16.h"
 
 #define PARALLEL_READ 262144 /* K elements a step reads below which one thread does it all */

@@ -26,7 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "convert.h"
+#include "kernels.h"
 #include "vector16.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -170,41 +172,13 @@ INLINE void block_values(const char *p, const void *vp, int j0, int n, const int
         for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + r * dim + c * 16, sum[r][c]);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* AMX (Sapphire Rapids and later): in bfloat16, sixteen query rows of a head at a time meet a
- * key block as tile products, q times the packed keys and the probabilities times the packed
+#if HAVE_AMX
+/* AMX (amx.h): in bfloat16, sixteen query rows of a head at a time meet a key block as tile
+ * products, q times the packed keys and the probabilities times the packed
  * values: the packing above is already the tiles' pair layout (a key's two dimensions in a
  * word for q.k, two keys' values of a dimension in a word for p.v). Tiles: 0-3 accumulate,
  * 4 holds A, 5 and 6 B; every tile 16 rows of 64 bytes. */
-#include <sys/syscall.h>
-#include <unistd.h>
 #define AMX_ROWS 16
-#define HAVE_AMX 1
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* This thread's tiles, each 16 rows of 64 bytes. A constant object: a configuration built on
- * the stack had its stores dropped by GCC 12 (ldtilecfg's read of it is not seen), and the
- * half-written one faulted. */
-static const TileConfig TILES = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-static void amx_configure(void) { _tile_loadconfig(&TILES); }
-
-/* Whether the kernel may use the tiles: Linux grants AMX state per process on request
- * (ARCH_REQ_XCOMP_PERM for XTILEDATA), once; oneDNN asks the same. */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return permitted;
-}
 
 /* Sixteen rows' raw scores against keys j0 .. j0 + n - 1 (n a multiple of 16) into s, rows
  * KEY_BLOCK floats apart. */
@@ -295,10 +269,6 @@ static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, cons
 }
 #else
 #define AMX_ROWS MAX_ROWS
-#define HAVE_AMX 0
-static int amx_permitted(void) { return 0; }
-static void amx_configure(void) {}
-static void _tile_release(void) {}
 static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp,
                            int j0, int n, int position, int rise, int dim, float scale,
                            Running *run, float *acc, float *s, char *p, float *part) {} /* never called */

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "quant_blocks.h"
+#include "kernels.h"
 
 INLINE float half_at(const uint8_t *p) {
     uint16_t h;

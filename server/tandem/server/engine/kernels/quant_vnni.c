@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "quant_blocks.h"
+#include "kernels.h"
 
 /* One row's x, quantized: per pair of blocks 64 bytes of q, 16 float lanes of d_x (each lane
  * the scale of the block its int32 lane sums), and 16 int32 lanes of the offset (Q4_0:

@@ -20,7 +20,7 @@ from tandem.server.engine.attention.torch_backend import (
 )
 from tandem.server.engine.decode_chain import DecodeChain
 from tandem.server.engine.default_model import default_model_path
-from tandem.server.engine.models.layers import TILE_ROWS
+from tandem.server.engine.models.layers import DECODE_ROWS
 
 from .test_spec_decode import Oracle
 from .utils import encoder, write_gguf
@@ -99,29 +99,30 @@ def test_models_with_q_k_norm_keep_the_modules(tiny_models, tmp_path) -> None:
     assert llm.engine.worker.runner._chain is None
 
 
-def test_dequantized_weights_keep_the_modules(tiny_models, tmp_path) -> None:
-    """In float32: in bfloat16 on an AMX CPU they chain in tiles (below)."""
+def test_dequantized_weights_chain_by_decode_linear(tiny_models, tmp_path) -> None:
+    """Without blocks, a float32 model's linears chain packed for decode_linear (panels)."""
+    if not kernels.decode_linear_for(torch.device("cpu"), torch.float32):
+        pytest.skip("decode_linear needs AVX-512")
     path = tmp_path / "llama.gguf"
     write_gguf(tiny_models["llama"], path, encoder(Q.Q4_1))
     llm = LLM(str(path), kv_cache_tokens=2048, quantized_weights="off")
-    assert llm.engine.worker.runner._chain is None
+    chain = llm.engine.worker.runner._chain
+    assert chain is not None and chain.decode_linears and chain.max_rows == DECODE_ROWS
 
 
-@pytest.fixture
-def need_tiles() -> None:
-    if not kernels.tile_linear_for(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("the chain in tiles needs a CPU with AMX")
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q|k|v bias, added in the tiles
-def test_tiles_chain_equals_the_modules_bit_for_bit(tiny_models, arch, need_tiles) -> None:
-    """Any bfloat16 checkpoint chains in tiles, up to TILE_ROWS rows a step."""
-    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", kv_cache_tokens=4096)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q|k|v bias, added in the product
+def test_decode_linear_chain_equals_the_modules_bit_for_bit(tiny_models, arch, dtype) -> None:
+    """Any checkpoint chains by decode_linear (bfloat16 on AMX, float32 on AVX-512), up to
+    DECODE_ROWS rows a step."""
+    if not kernels.decode_linear_for(torch.device("cpu"), getattr(torch, dtype)):
+        pytest.skip(f"decode_linear in {dtype} needs AMX (bfloat16) or AVX-512 (float32)")
+    llm = LLM(str(tiny_models[arch]), dtype=dtype, kv_cache_tokens=4096)
     runner = llm.engine.worker.runner
     chain = runner._chain
-    assert chain is not None and chain.tiles
-    assert chain.takes([1] * TILE_ROWS, [10] * TILE_ROWS)
-    assert not chain.takes([1] * (TILE_ROWS + 1), [10] * (TILE_ROWS + 1))
+    assert chain is not None and chain.decode_linears
+    assert chain.takes([1] * DECODE_ROWS, [10] * DECODE_ROWS)
+    assert not chain.takes([1] * (DECODE_ROWS + 1), [10] * (DECODE_ROWS + 1))
     calls = _rows_of_each_call(chain)
     prompts = [f"{p} {i}" for i in range(7) for p in PROMPTS]  # 21 rows a decode step
     got = _generate(llm, prompts)
@@ -130,9 +131,11 @@ def test_tiles_chain_equals_the_modules_bit_for_bit(tiny_models, arch, need_tile
     assert _generate(llm, prompts) == got
 
 
-def test_tiles_chain_attends_shared_pages_once_as_the_modules_do(need_tiles, monkeypatch) -> None:
+def test_chain_attends_shared_pages_once_as_the_modules_do(monkeypatch) -> None:
     """Decodes that begin with the same pages (a long common prefix) attend to them once in
     the chain too (the default model, dequantized: heads of 64, which shared_attention takes)."""
+    if not kernels.shared_attention_for(torch.device("cpu"), torch.bfloat16, 64):
+        pytest.skip("shared pages are attended once in bfloat16 on AMX only")
     llm = LLM(default_model_path(), dtype="bfloat16", kv_cache_tokens=8192, quantized_weights="off")
     runner = llm.engine.worker.runner
     chain = runner._chain

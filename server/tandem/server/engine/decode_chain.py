@@ -9,11 +9,12 @@ the int8 one under ``quantized_weights: int8``), rounding where they round: the 
 module path's bit for bit (``tests/engine/test_decode_chain.py``).
 
 A model qualifies when it runs on CPU in float32 or bfloat16 with the C kernels built, every
-linear of every layer is multiplied from its GGUF blocks (``Linear.use_quantized``) or, in
-bfloat16 on a CPU with AMX, in tiles (``Linear.tiles``: any checkpoint), one
+linear of every layer is multiplied from its GGUF blocks (``Linear.use_quantized``) or else
+by ``kernels.decode_linear`` (``Linear.decode_weight``: any checkpoint; AMX tiles in bfloat16,
+AVX-512 panels in float32), one
 tensor-parallel rank, the in-place attention kernel, and no q/k norm or o/MLP bias (Llama,
 Mistral and Qwen2 do; Qwen3's q/k norm does not). A step qualifies with at most
-``kernels.QUANT_MAX_ROWS`` tokens (blocks) or ``TILE_ROWS`` (tiles), no fresh prompt and no
+``kernels.QUANT_MAX_ROWS`` tokens (blocks) or ``DECODE_ROWS``, no fresh prompt and no
 adapter (``takes``): decodes, and speculation's verification rows, which would otherwise lose
 the chain exactly where speculation pays. Anything else runs the modules. Decodes that begin
 with the same pages attend to them once, as the attention backend has them do
@@ -33,7 +34,7 @@ import torch
 from . import kernels
 from .attention.torch_backend import shared_start
 from .kv_cache import KVCache
-from .models.layers import TILE_ROWS, Linear
+from .models.layers import DECODE_ROWS, Linear
 from .models.llama import DecoderModel, LlamaForCausalLM
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -49,7 +50,7 @@ class _Layer(ctypes.Structure):
         ("block_stride", ctypes.c_int64 * 4),
         ("qtype", _I * 4),
         ("gemv", _P * 4),
-        ("tiles", _I),
+        ("decode_linears", _I),
         ("k_pages", _P),
         ("v_pages", _P),
     ]
@@ -86,8 +87,9 @@ def _from_blocks(linear: Linear) -> bool:
 
 
 def _products(model: torch.nn.Module, kv_cache: KVCache, in_place: bool, tp_size: int) -> str:
-    """How ``model``'s layers' linears run in a chain: ``blocks``, ``tiles``, or ``""`` where
-    the model does not qualify (see the module's docstring)."""
+    """How ``model``'s layers' linears run in a chain: ``blocks``, ``decode`` (by
+    ``kernels.decode_linear``), or ``""`` where the model does not qualify (see the module's
+    docstring)."""
     if not (isinstance(model, LlamaForCausalLM) and in_place and tp_size == 1):
         return ""
     dtype, device = kv_cache.dtype, kv_cache.device
@@ -100,7 +102,7 @@ def _products(model: torch.nn.Module, kv_cache: KVCache, in_place: bool, tp_size
     linears = [lin for layer in model.model.layers for lin in _linears(layer)]
     if all(_from_blocks(lin) for lin in linears):
         return "blocks"
-    return "tiles" if kernels.tile_linear_for(device, dtype) else ""
+    return "decode" if kernels.decode_linear_for(device, dtype) else ""
 
 
 class DecodeChain:
@@ -111,14 +113,14 @@ class DecodeChain:
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         scale: float,
-        tiles: bool = False,
+        decode_linears: bool = False,
         shared_pages: bool = False,
     ) -> None:
         self.model: DecoderModel = model.model
         self.kv_cache = kv_cache
         self.dtype = kv_cache.dtype
-        self.tiles = tiles
-        self.max_rows = TILE_ROWS if tiles else kernels.QUANT_MAX_ROWS
+        self.decode_linears = decode_linears  # else GGUF blocks
+        self.max_rows = DECODE_ROWS if decode_linears else kernels.QUANT_MAX_ROWS
         self.shared_pages = shared_pages  # the backend's: attended once where decodes share them
         cfg = model.config
         layers = self.model.layers
@@ -153,15 +155,15 @@ class DecodeChain:
         products = _products(model, kv_cache, in_place, tp_size)
         if not products:
             return None
-        return cls(model, kv_cache, scale, products == "tiles", shared_pages)
+        return cls(model, kv_cache, scale, products == "decode", shared_pages)
 
     def _layer(self, i: int, layer: torch.nn.Module) -> _Layer:
         linears = _linears(layer)
         lib = kernels.library.load()
         k_pages, v_pages = self.kv_cache.layer(i)
         bias = layer.self_attn.qkv_proj.bias
-        if self.tiles:
-            weights = [lin.tiles() for lin in linears]
+        if self.decode_linears:
+            weights = [lin.decode_weight() for lin in linears]
             blocks, strides, qtypes, gemv = (
                 [w.data_ptr() for w in weights],
                 [0] * 4,
@@ -181,7 +183,7 @@ class DecodeChain:
             (ctypes.c_int64 * 4)(*strides),
             (_I * 4)(*qtypes),
             (_P * 4)(*gemv),
-            int(self.tiles),
+            int(self.decode_linears),
             k_pages.data_ptr(),
             v_pages.data_ptr(),
         )

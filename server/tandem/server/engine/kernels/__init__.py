@@ -8,8 +8,9 @@ begins with attended once for all of them; ``layers.c`` holds the elementwise pa
 decoder layer (RMSNorm, SiLU * up, rotary embedding), one pass each instead of several torch
 ops; ``quant_gemv.c`` multiplies a few rows by weights kept in GGUF's Q8_0 / Q4_0 / Q4_1
 blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to int8 per
-block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` multiplies a decode step's bfloat16
-rows by a weight kept in AMX's tile layout; ``decode_chain.c`` runs every decoder layer of a
+block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c`` multiply a
+decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
+(float32); ``decode_chain.c`` runs every decoder layer of a
 small decode step in one call, chaining the others. ``kernels.h`` declares what they export,
 ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
 typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
@@ -23,6 +24,9 @@ from .ops import (
     QUANT_BLOCK_BYTES,
     QUANT_MAX_ROWS,
     cpu_kernels_for,
+    decode_linear,
+    decode_linear_for,
+    decode_pack,
     merge_attention,
     paged_decode,
     paged_decode_for,
@@ -38,9 +42,6 @@ from .ops import (
     shared_attention,
     shared_attention_for,
     silu_and_mul,
-    tile_linear,
-    tile_linear_for,
-    tile_pack,
 )
 
 __all__ = [
@@ -49,6 +50,9 @@ __all__ = [
     "QUANT_MAX_ROWS",
     "cpu_kernels_for",
     "cuda_ops",
+    "decode_linear",
+    "decode_linear_for",
+    "decode_pack",
     "merge_attention",
     "paged_decode",
     "paged_decode_for",
@@ -64,7 +68,4 @@ __all__ = [
     "shared_attention",
     "shared_attention_for",
     "silu_and_mul",
-    "tile_linear",
-    "tile_linear_for",
-    "tile_pack",
 ]

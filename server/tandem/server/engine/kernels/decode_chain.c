@@ -4,13 +4,13 @@
  *
  * It chains this library's own kernels in the order models/llama.py runs them, storing every
  * result in the model's dtype where the module path does, so its output is the module path's
- * bit for bit: RMSNorm, the q|k|v product (from GGUF blocks, or in AMX tiles) plus bias,
+ * bit for bit: RMSNorm, the q|k|v product (from GGUF blocks, or decode_linear's) plus bias,
  * rotary embedding in place, the new K/V written to their slots, paged attention (the pages
  * every row begins with attended once, merged with each row's own), the output projection
  * and the residual; RMSNorm, gate|up, SiLU * up, down and the residual. It takes the layouts
  * kernels/ops.py documents for each kernel; the Python side (decode_chain.py) decides when a
- * step qualifies (decode only, few rows, every linear from blocks or in tiles, no adapter, no
- * q/k norm).
+ * step qualifies (decode only, few rows, every linear from blocks or packed for its dtype's
+ * decode product, no adapter, no q/k norm).
  */
 #ifdef __AVX512F__
 #include <stdlib.h>
@@ -29,11 +29,11 @@ enum { QKV, O, GATE_UP, DOWN };
 
 typedef struct { /* one layer's weights (model dtype) and its pages of the KV cache */
     const void *in_norm, *post_norm, *qkv_bias; /* qkv_bias: NULL without one */
-    const uint8_t *blocks[4]; /* QKV, O, GATE_UP, DOWN: GGUF blocks, or tile_pack's copies */
+    const uint8_t *blocks[4]; /* QKV, O, GATE_UP, DOWN: GGUF blocks, or decode_pack's copies */
     int64_t block_stride[4];  /* bytes between two output rows' blocks */
     int qtype[4];
-    gemv_fn gemv[4]; /* each linear's block kernel (Linear.kernel); unused with tiles */
-    int tiles;       /* 1: the weights are in tiles (tile_linear), bfloat16 */
+    gemv_fn gemv[4];    /* each linear's block kernel (Linear.kernel), with blocks */
+    int decode_linears; /* 1: packed for tile_linear (bfloat16) or panel_linear (float32) */
     void *k_pages, *v_pages; /* [blocks, block_size, kv_heads, head_dim] */
 } chain_layer;
 
@@ -54,13 +54,18 @@ static void add_rows(void *dst, const void *add, int64_t n, int bf16) {
 }
 
 /* y [rows, N] = x [rows, K] times linear `which` of the layer (plus bias, or NULL), rounded
- * where the module path rounds: tiles add the bias before rounding, as oneDNN's product does;
- * GGUF blocks after, as Linear adds it to quant_gemv's result. */
+ * where the module path rounds: decode_linear's kernels add the bias before rounding, as
+ * oneDNN's product does; GGUF blocks after, as Linear adds it to quant_gemv's result. */
 static void product(const chain_layer *l, const chain_step *s, int which, const char *x, int K,
                     char *y, int N, const void *bias) {
-    if (l->tiles) {
+    if (l->decode_linears && s->bf16) {
         tile_linear((const uint16_t *)x, K, s->rows, K, (const uint16_t *)l->blocks[which], N,
                     bias, (uint16_t *)y, N, s->threads);
+        return;
+    }
+    if (l->decode_linears) {
+        panel_linear((const float *)x, K, s->rows, K, (const float *)l->blocks[which], N, bias,
+                     (float *)y, N, s->threads);
         return;
     }
     l->gemv[which](x, K, l->blocks[which], l->block_stride[which], y, N, s->rows, N, K,

@@ -307,40 +307,56 @@ def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int)
     return out
 
 
-def tile_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``tile_linear`` runs here: bfloat16 on a CPU with AMX (Sapphire Rapids and
-    later), tiles granted to the process."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and _tiles_granted()
+# A decode step's rows times a weight packed for them: the kernel of each dtype (its library
+# function, and the one that packs a weight for it).
+DECODE_KERNELS = {
+    torch.bfloat16: ("tile_linear", "tile_pack"),
+    torch.float32: ("panel_linear", "panel_pack"),
+}
+
+
+def decode_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``decode_linear`` runs here: bfloat16 in AMX tiles (``tile_linear.c``: Sapphire
+    Rapids and later, the tiles granted to the process), float32 in AVX-512 panels
+    (``panel_linear.c``)."""
+    return device.type == "cpu" and dtype in DECODE_KERNELS and _decode_kernel_built(dtype)
 
 
 @functools.cache
-def _tiles_granted() -> bool:
-    """Whether the library has ``tile_linear`` and the process its tiles: asked once, since
-    every linear layer of a bfloat16 decode step asks."""
+def _decode_kernel_built(dtype: torch.dtype) -> bool:
+    """Asked once: every linear layer of a decode step asks."""
     lib = library.load()
-    return lib is not None and hasattr(lib, "tile_linear") and lib.tile_linear_tiles() == 1
+    name = DECODE_KERNELS[dtype][0]
+    if lib is None or not hasattr(lib, name):
+        return False
+    return name != "tile_linear" or lib.tile_linear_tiles() == 1
 
 
-def tile_pack(w: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight ``[N, K]`` (``nn.Linear``'s) in ``tile_linear``'s layout: a flat
-    copy holding N and K each rounded up to 32."""
+def decode_pack(w: torch.Tensor) -> torch.Tensor:
+    """A weight ``[N, K]`` (``nn.Linear``'s) in its dtype's ``decode_linear`` layout: a flat
+    copy, N and K rounded up to 32 in bfloat16 (tiles), N up to 64 in float32 (panels)."""
     n, k = w.shape
     w = w.contiguous()
-    out = torch.empty(-(-n // 32) * 32 * -(-k // 32) * 32, dtype=torch.bfloat16)
-    library.load().tile_pack(w.data_ptr(), n, k, out.data_ptr())
+    if w.dtype == torch.bfloat16:
+        size = -(-n // 32) * 32 * -(-k // 32) * 32
+    else:
+        size = -(-n // 64) * 64 * k
+    out = torch.empty(size, dtype=w.dtype)
+    getattr(library.load(), DECODE_KERNELS[w.dtype][1])(w.data_ptr(), n, k, out.data_ptr())
     return out
 
 
-def tile_linear(
+def decode_linear(
     x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ W^T + bias`` for x ``[M, K]`` bfloat16 and W ``[n, K]`` packed by ``tile_pack``:
-    ``[M, n]`` bfloat16, the float32 sums rounded once as oneDNN's product rounds them."""
+    """``x @ W^T + bias`` for x ``[M, K]`` and W ``[n, K]`` packed by ``decode_pack``, in x's
+    dtype: bfloat16's float32 sums rounded once, as oneDNN's product rounds them; float32's
+    each the sum over the inputs in order, whatever rows share the call."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    library.load().tile_linear(
+    out = torch.empty(m, n, dtype=x.dtype)
+    getattr(library.load(), DECODE_KERNELS[x.dtype][0])(
         x.data_ptr(),
         x.stride(0),
         m,

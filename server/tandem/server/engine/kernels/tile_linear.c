@@ -18,7 +18,7 @@
  * columns, each block's k / 32 steps of two tiles (columns 0-15, 16-31), each tile 16 rows of
  * 16 columns x 2 inputs: element (row r, column c, e) of tile t in step s of block b is
  * w[32b + 16t + c][32s + 2r + e]. Its reference is torch's product (tests/engine/
- * test_tile_linear.py). */
+ * test_decode_linear.py). */
 #include "amx.h"
 #include "kernels.h"
 

@@ -41,9 +41,10 @@ class Linear(nn.Linear):
     few rows of a decode step that reorder costs about as much as the product. The copy is
     made on first use and again whenever the weight is replaced or written in place (its
     data pointer or version changes). It doubles the memory these weights take on CPU.
-    In bfloat16 on a CPU with AMX, up to ``TILE_ROWS`` rows (a decode step's) are multiplied
-    by another copy in tiles (``kernels.tile_linear``: 1.1-1.5x oneDNN's product there,
-    nearly always the same bits), kept the same way.
+    Up to ``DECODE_ROWS`` rows (a decode step's) are multiplied by another copy packed for
+    them (``kernels.decode_linear``: in bfloat16 on a CPU with AMX, tiles, 1.1-1.8x oneDNN's
+    product there and nearly always the same bits; in float32 with AVX-512, panels, at par
+    with it), kept the same way, which the decode chain calls from C.
 
     A layer loaded from a GGUF file on CPU may also keep the file's Q8_0 / Q4_0 / Q4_1
     blocks (``use_quantized``): up to ``QUANT_ROWS`` rows are multiplied by them (a quarter
@@ -54,7 +55,7 @@ class Linear(nn.Linear):
     """
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
-    _tiled: tuple[tuple[int, int], torch.Tensor] | None = None  # kernels.tile_pack's copy
+    _decode: tuple[tuple[int, int], torch.Tensor] | None = None  # kernels.decode_pack's copy
     _quantized_for: tuple[int, int] | None = None  # the weight's (pointer, version) it matches
     qtype: int = 0  # the blocks' ggml type id
     kernel: str = "quant_gemv"  # the function of kernels (and of the C library) they take
@@ -81,14 +82,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def tiles(self) -> torch.Tensor:
-        """The weight in ``kernels.tile_linear``'s layout (bfloat16 on an AMX CPU), packed
-        again whenever the weight has changed."""
+    def decode_weight(self) -> torch.Tensor:
+        """The weight in ``kernels.decode_linear``'s layout for its dtype, packed again
+        whenever the weight has changed."""
         w = self.weight
         key = (w.data_ptr(), w._version)
-        if self._tiled is None or self._tiled[0] != key:
-            self._tiled = (key, kernels.tile_pack(w.detach()))
-        return self._tiled[1]
+        if self._decode is None or self._decode[0] != key:
+            self._decode = (key, kernels.decode_pack(w.detach()))
+        return self._decode[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.weight
@@ -103,16 +104,18 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _PACKED_DTYPES:
             return F.linear(x, w, bias)
         key = (w.data_ptr(), w._version)
-        if x.dim() == 2 and x.shape[0] <= TILE_ROWS and kernels.tile_linear_for(x.device, w.dtype):
-            return kernels.tile_linear(x, self.tiles(), w.shape[0], bias)
+        few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+        if few and kernels.decode_linear_for(x.device, w.dtype):
+            return kernels.decode_linear(x, self.decode_weight(), w.shape[0], bias)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
 
 
-# The most rows multiplied in tiles (and a decode chain in tiles takes): at 96 rows the tiles
-# were at par with oneDNN's product (the default model's layers, two Emerald Rapids cores).
-TILE_ROWS = 64
+# The most rows multiplied by decode_linear (and a decode chain of it takes): at 96 rows the
+# tiles, at 64 the panels were at par with oneDNN's product (the default model's layers, two
+# Emerald Rapids cores).
+DECODE_ROWS = 64
 
 # The most rows multiplied by GGUF blocks: the kernel's limit, and about the crossover (at 8
 # rows the blocks were 1.1x faster on the default model: bench/quant_decode.py --rows 8).

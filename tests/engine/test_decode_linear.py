@@ -1,0 +1,98 @@
+"""``kernels.decode_linear`` (a decode step's rows times a weight packed for them: AMX tiles in
+bfloat16, AVX-512 panels in float32) against float64 and torch's own product, and ``Linear``
+taking it for up to ``DECODE_ROWS`` rows.
+
+bfloat16: the tiles sum float32 products of bfloat16 inputs (exact in float32) 32 inputs at a
+time and round the sum once, so the result is within float32 summation error of the float64
+product plus half a bfloat16 step (``2**-8 * |y|``); oneDNN's product sums and rounds the same
+way, so nearly every output is the same bits. float32: each output is the inputs' products
+summed in order, one FMA each (error at most about ``K * 2**-24 * sum|x * w|``), the same bits
+whatever other rows share the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.server.engine import kernels
+from tandem.server.engine.models.layers import DECODE_ROWS, Linear
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def need(dtype: torch.dtype) -> None:
+    if not kernels.decode_linear_for(torch.device("cpu"), dtype):
+        pytest.skip(f"decode_linear in {dtype} needs AMX (bfloat16) or AVX-512 (float32)")
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    k = x.shape[1]
+    sums = k * 2**-23 * (x.double().abs() @ w.double().abs().T)
+    return sums + (2**-8 * exact.abs() if x.dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (100, 70), (33, 48), (17, 32)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_and_torch(dtype, n: int, k: int, rows: int, with_bias: bool) -> None:
+    need(dtype)
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    y = kernels.decode_linear(x, kernels.decode_pack(w), n, bias)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert ((y.double() - exact).abs() <= bound(x, w, exact) + 1e-30).all()
+    if dtype == torch.bfloat16:
+        assert (y == F.linear(x, w, bias)).double().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(dtype) -> None:
+    """Speculation's verification rows and plain decodes must agree on a shared row."""
+    need(dtype)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=gen).to(dtype)
+    x = torch.randn(DECODE_ROWS, 96, generator=gen).to(dtype)
+    packed = kernels.decode_pack(w)
+    every = kernels.decode_linear(x, packed, 200, None)
+    for r in (0, 5, 17, DECODE_ROWS - 1):
+        assert torch.equal(kernels.decode_linear(x[r : r + 1], packed, 200, None)[0], every[r])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_apart_and_a_column_slice(dtype) -> None:
+    """x's rows may lie further apart than its width (a slice of a wider tensor)."""
+    need(dtype)
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(9, 1200, generator=gen).to(dtype)
+    w = torch.randn(64, 576, generator=gen).to(dtype)
+    packed = kernels.decode_pack(w)
+    assert torch.equal(
+        kernels.decode_linear(wide[:, :576], packed, 64, None),
+        kernels.decode_linear(wide[:, :576].contiguous(), packed, 64, None),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_takes_it_for_a_decode_step_and_follows_the_weight(dtype) -> None:
+    need(dtype)
+    gen = torch.Generator().manual_seed(2)
+    layer = Linear(96, 80, bias=True).to(dtype)
+    x = torch.randn(DECODE_ROWS, 96, generator=gen).to(dtype)
+
+    def close(y: torch.Tensor) -> bool:
+        exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        return bool(((y.double() - exact).abs() <= bound(x, layer.weight, exact) + 1e-30).all())
+
+    assert close(layer(x))
+    assert layer._decode is not None and layer._packed is None
+    with torch.no_grad():
+        layer.weight.mul_(2)  # written in place: packed again
+    assert close(layer(x))
+    layer(torch.randn(DECODE_ROWS + 1, 96, generator=gen).to(dtype))  # a prefill: oneDNN's
+    assert layer._packed is not None

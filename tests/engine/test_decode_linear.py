@@ -96,3 +96,15 @@ def test_linear_takes_it_for_a_decode_step_and_follows_the_weight(dtype) -> None
     assert close(layer(x))
     layer(torch.randn(DECODE_ROWS + 1, 96, generator=gen).to(dtype))  # a prefill: oneDNN's
     assert layer._packed is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moving_the_weight_drops_the_copies(dtype) -> None:
+    """A level-2 sleep moves the weights to meta: the copies must not keep their memory."""
+    need(dtype)
+    layer = Linear(96, 80, bias=False).to(dtype)
+    layer(torch.randn(4, 96).to(dtype))
+    layer(torch.randn(DECODE_ROWS + 1, 96).to(dtype))
+    assert layer._decode is not None and layer._packed is not None
+    layer.to_empty(device=torch.device("meta"))
+    assert layer._decode is None and layer._packed is None

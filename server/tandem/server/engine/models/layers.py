@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +83,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
+        """Moving or re-allocating the weight (``to``, ``to_empty``: a level-2 sleep) drops
+        the packed copies, which would otherwise hold the old weight's memory."""
+        self._packed = self._decode = None
+        return super()._apply(fn, recurse)
 
     def decode_weight(self) -> torch.Tensor:
         """The weight in ``kernels.decode_linear``'s layout for its dtype, packed again

@@ -48,9 +48,18 @@ typedef struct { /* the model's shapes and this step's rows */
     int num_shared;               /* (shared_attention, as the attention backend does) or 0 */
 } chain_step;
 
-/* dst[r, i] = dtype(dst[r, i] + add[r, i]): torch's ``h + x`` in the model's dtype. */
+/* dst[r, i] = dtype(dst[r, i] + add[r, i]): torch's ``h + x`` in the model's dtype. One loop
+ * per dtype, so that each vectorises (a step of 64 rows adds 2.2 M values). */
 static void add_rows(void *dst, const void *add, int64_t n, int bf16) {
-    for (int64_t i = 0; i < n; i++) store(dst, i, load(dst, i, bf16) + load(add, i, bf16), bf16);
+    if (bf16) {
+        uint16_t *d = dst;
+        const uint16_t *a = add;
+        for (int64_t i = 0; i < n; i++) d[i] = to_bf16(from_bf16(d[i]) + from_bf16(a[i]));
+        return;
+    }
+    float *d = dst;
+    const float *a = add;
+    for (int64_t i = 0; i < n; i++) d[i] += a[i];
 }
 
 /* y [rows, N] = x [rows, K] times linear `which` of the layer (plus bias, or NULL), rounded

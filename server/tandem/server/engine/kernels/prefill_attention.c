@@ -37,6 +37,7 @@
 #define KEY_BLOCK 128 /* keys whose packed K and V a chunk of rows walks through at once */
 #define CHUNK 64      /* query rows of one head a thread takes at a time */
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
+#define LOG2E 1.44269504088896341f
 
 /* Whether bfloat16 tensors may be passed (the CPU has AVX512-BF16): read by kernels/ops.py. */
 const int prefill_attention_bf16 = HAVE_DPBF16;
@@ -100,26 +101,31 @@ typedef struct {
     float max, sum;
 } Running;
 
-/* One row's masked, scaled scores s (n keys; -inf where masked) after its running softmax
- * (`top`: their max): the running max and sum moved on, the row's value sums (acc) rescaled,
- * and its unnormalised probabilities into p in the model's dtype. */
-INLINE void row_softmax(const float *s, int n, float top, const int dim, const int bf16,
-                        Running *run, float *acc, char *p) {
+/* One row's raw masked scores s (n keys; -inf where masked) after its running softmax (`top`:
+ * their max): the running max and sum (in scaled units) moved on, the row's value sums (acc)
+ * rescaled, and its unnormalised probabilities exp(scale * (s - top)) into p in the model's
+ * dtype, taken as 2^(s * scale * log2 e - top * scale * log2 e): one FMA into exp2_16's
+ * argument, no pass to scale the scores first. */
+INLINE void row_softmax(const float *s, int n, float top, float scale, const int dim,
+                        const int bf16, Running *run, float *acc, char *p) {
     const int elem = bf16 ? 2 : 4;
+    top *= scale;
     if (top < run->max) top = run->max;
-    __m512 m = _mm512_set1_ps(top), total = _mm512_setzero_ps();
+    const __m512 c = _mm512_set1_ps(scale * LOG2E), m = _mm512_set1_ps(top * LOG2E);
+    __m512 total = _mm512_setzero_ps();
     for (int j = 0; j < n; j += KEYS) {
-        __m512 x = _mm512_loadu_ps(s + j);
-        __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
+        __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), c, m));
         total = _mm512_add_ps(total, e);
         store16(p + (int64_t)j * elem, e, bf16);
     }
-    float alpha = run->max == -INFINITY ? 0.0f : exp_approx(run->max - top);
-    run->sum = run->sum * alpha + _mm512_reduce_add_ps(total);
+    if (top > run->max) { /* the max rose: what came before shrinks (by exactly 1 it stays) */
+        const float alpha = run->max == -INFINITY ? 0.0f : exp_approx(run->max - top);
+        run->sum *= alpha;
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
+    }
+    run->sum += _mm512_reduce_add_ps(total);
     run->max = top;
-    for (int d = 0; d < dim; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
 }
 
 /* Keys j0 .. j0 + n - 1 for `rows` query rows (row r at `position` + r * `rise`; keys after
@@ -139,15 +145,14 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
             0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         for (int r = 0; r < rows; r++) {
             __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
-            __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
-                                            _mm512_mul_ps(dot[r], _mm512_set1_ps(scale)));
+            __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dot[r]);
             _mm512_storeu_ps(s + r * KEY_BLOCK + j, x);
             maxv[r] = _mm512_max_ps(maxv[r], x);
         }
     }
     for (int r = 0; r < rows; r++)
-        row_softmax(s + r * KEY_BLOCK, n, _mm512_reduce_max_ps(maxv[r]), dim, bf16, run + r,
-                    acc + r * dim, p + (int64_t)r * KEY_BLOCK * elem);
+        row_softmax(s + r * KEY_BLOCK, n, _mm512_reduce_max_ps(maxv[r]), scale, dim, bf16,
+                    run + r, acc + r * dim, p + (int64_t)r * KEY_BLOCK * elem);
 }
 
 /* acc rows += p (rows x n keys) times the packed values of keys j0 .. j0 + n - 1. */
@@ -252,17 +257,17 @@ static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, cons
         const int last = position + r * rise; /* the row's last key */
         __m512 maxv = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < n; j += KEYS) {
-            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(scale));
+            __m512 x = _mm512_loadu_ps(row + j);
             if (j0 + j + KEYS - 1 > last) { /* keys past the row's own: masked */
                 __m512i at = _mm512_add_epi32(at0, _mm512_set1_epi32(j));
                 __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(last));
                 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+                _mm512_storeu_ps(row + j, x);
             }
-            _mm512_storeu_ps(row + j, x);
             maxv = _mm512_max_ps(maxv, x);
         }
         char *pr = p + (int64_t)r * KEY_BLOCK * 2;
-        row_softmax(row, n, _mm512_reduce_max_ps(maxv), dim, 1, run + r, acc + r * dim, pr);
+        row_softmax(row, n, _mm512_reduce_max_ps(maxv), scale, dim, 1, run + r, acc + r * dim, pr);
         if (padded > n) memset(pr + n * 2, 0, (size_t)(padded - n) * 2);
     }
     amx_values(p, vp, j0, n, dim, acc, part);

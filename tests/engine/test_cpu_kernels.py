@@ -187,12 +187,37 @@ def test_prefill_attention_matches_float64(
     v = qkv[:, (heads + kv_heads) * head_dim :].view(kv_len, kv_heads, head_dim)
     out = torch.empty(q_len, heads, head_dim, dtype=dtype)
     kernels.prefill_attention(q, k, v, head_dim**-0.5, out)
-    group = heads // kv_heads
-    keys, values = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _causal_float64(q, k, v), rtol=tol, atol=tol)
+
+
+def _causal_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention in float64, query i at position kv_len - q_len + i seeing keys up to it."""
+    (q_len, heads, head_dim), (kv_len, kv_heads, _) = q.shape, k.shape
+    keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim**-0.5
     visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
-    want = torch.einsum(
+    return torch.einsum(
         "hqk,khd->qhd", scores.masked_fill(~visible, -torch.inf).softmax(-1), values
     )
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_with_scores_rising_key_by_key(dtype: torch.dtype, head_dim: int) -> None:
+    """Scores that climb through the prompt (by ~0.1 a key, 60 in all: a row's max moves in
+    nearly every block and step): in bfloat16 with AMX the rows' probabilities are taken
+    against a reference max that moves only when a score rises 8 (log2) above it, and later
+    blocks run in steps of 32 keys where such a rise flushes the value sums out of the tiles."""
+    if not kernels.prefill_attention_for(torch.device("cpu"), dtype, head_dim):
+        pytest.skip("the C prefill kernel needs AVX-512 (and AVX512-BF16 in bfloat16)")
+    n, heads, kv_heads = 600, 4, 2
+    q = _rand(n, heads, head_dim, dtype=dtype, seed=9) / 3
+    k = _rand(n, kv_heads, head_dim, dtype=dtype, seed=10) / 3
+    v = _rand(n, kv_heads, head_dim, dtype=dtype, seed=11) / 3
+    q[..., 0] = 1.0
+    k[..., 0] = (torch.arange(n) * 0.1 * head_dim**0.5).to(dtype)[:, None]
+    out = torch.empty_like(q)
+    kernels.prefill_attention(q, k, v, head_dim**-0.5, out)
+    tol = 2e-4 if dtype == torch.float32 else 2e-2  # float32: scores of 60 carry its rounding
+    torch.testing.assert_close(out.double(), _causal_float64(q, k, v), rtol=tol, atol=tol)

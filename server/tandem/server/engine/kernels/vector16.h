@@ -52,6 +52,19 @@ static inline __attribute__((always_inline)) __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(_mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f)), n);
 }
 
+/* 2^x for probabilities that are rounded to bfloat16 next: a degree-3 fit on [-0.5, 0.5]
+ * (7.7e-5 relative, against the 3.9e-3 of the rounding that follows; three FMAs fewer than
+ * exp2_16). Clamped to -125: the fit is 0.99993 at 0, which would take -126 below the normals. */
+static inline __attribute__((always_inline)) __m512 exp2_bf16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(5.508868381e-2f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.426040515e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.932762417e-1f));
+    return _mm512_scalef_ps(_mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999289404e-1f)), n);
+}
+
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
 /* acc + the pairwise products of a and b, 32 bfloat16 each, summed in float32 per lane pair */

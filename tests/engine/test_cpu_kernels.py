@@ -161,6 +161,7 @@ def test_shared_pages_merged_match_float64(
         (64, 9, 3, 300, 300),
         (64, 9, 3, 21, 70),
         (64, 9, 3, 100, 700),
+        (64, 9, 3, 10, 90),
         (128, 9, 3, 50, 50),
         (64, 34, 2, 19, 19),
         (32, 4, 4, 1, 9),
@@ -176,8 +177,9 @@ def test_prefill_attention_matches_float64(
     """Causal over the step's own q|k|v rows (strided views, as the model hands them), and a
     chunk after cached tokens (query i at position kv_len - q_len + i); prompts spanning
     several of the kernel's key blocks (128) and row chunks, row counts not a multiple of its
-    block of four (nor, in bfloat16 on an AMX CPU, of its sixteen-row tile blocks); the
-    specialised head sizes and the generic ones."""
+    block of four (nor, in bfloat16 on an AMX CPU, of its sixteen-row tile blocks: the rest
+    in dot pairs, or padded to sixteen from PADDED_ROWS on); the specialised head sizes and the
+    generic ones."""
     if not kernels.prefill_attention_for(torch.device("cpu"), dtype, head_dim):
         pytest.skip("the C prefill kernel needs AVX-512 (and AVX512-BF16 in bfloat16)")
     width = (heads + 2 * kv_heads) * head_dim

@@ -74,13 +74,81 @@ INLINE void pack_row(const char *k, const char *v, int j, int dim, int bf16, voi
     }
 }
 
+/* Sixteen rows of sixteen 32-bit words transposed in place (row i, word c to row c, word i). */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + c]: word 4 l + c of rows i .. i + 3 in lane l */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8) /* lanes 0, 2 and 1, 3 of rows h .. h + 7 */
+        for (int c = 0; c < 4; c++) {
+            t[h + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0x88);
+            t[h + 4 + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xdd);
+    }
+}
+
+/* Keys j .. j + 15 (j a multiple of 16; rows `stride` elements apart from k and v) packed as
+ * pack_row packs them: K's words sixteen keys by sixteen words transposed, V's pairs of
+ * bfloat16 rows interleaved by a two-source permute. */
+static void pack16(const char *k, const char *v, int64_t stride, int j, int dim, int bf16,
+                   void *kt, void *vp) {
+    const int64_t elem = bf16 ? 2 : 4, words = bf16 ? dim / 2 : dim;
+    for (int c0 = 0; c0 < words; c0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(k + i * stride * elem + c0 * 4);
+        transpose16(r);
+        for (int c = 0; c < 16; c++)
+            _mm512_storeu_si512((uint32_t *)kt + key_at(c0 + c, j, words), r[c]);
+    }
+    if (!bf16) {
+        for (int i = 0; i < 16; i++) memcpy((float *)vp + (int64_t)(j + i) * dim, v + i * stride * 4, sizeof(float) * dim);
+        return;
+    }
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int i = 0; i < 16; i += 2) {
+        const char *a = v + i * stride * 2, *b = a + stride * 2;
+        uint32_t *pairs = (uint32_t *)vp + (int64_t)(j + i) / 2 * dim;
+        for (int d = 0; d < dim; d += 32) {
+            const __m512i x = _mm512_loadu_si512(a + d * 2), y = _mm512_loadu_si512(b + d * 2);
+            _mm512_storeu_si512(pairs + d, _mm512_permutex2var_epi16(x, lo, y));
+            _mm512_storeu_si512(pairs + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+        }
+    }
+}
+
+/* What pack_row leaves unwritten past `len` keys, zero: packed K's last block and packed V's
+ * rows after the last key (the walks run whole tiles past it). */
+static void pack_padding(int len, int padded, int dim, int bf16, void *kt, void *vp) {
+    const int64_t words = bf16 ? dim / 2 : dim, last = len / KEY_BLOCK * KEY_BLOCK;
+    memset((uint32_t *)kt + last * words, 0, sizeof(uint32_t) * (size_t)((padded - last) * words));
+    const int64_t from = bf16 ? (int64_t)(len / 2) * dim : (int64_t)len * dim;
+    const int64_t to = bf16 ? (int64_t)padded / 2 * dim : (int64_t)padded * dim;
+    memset((uint32_t *)vp + from, 0, sizeof(uint32_t) * (size_t)(to - from));
+}
+
 /* One KV head's `len` keys and values, rows `stride` elements apart, packed; padding zero. */
 static void pack(const char *k, const char *v, int64_t stride, int len, int padded, int dim,
                  int bf16, void *kt, void *vp) {
     const int64_t elem = bf16 ? 2 : 4;
-    memset(kt, 0, sizeof(float) * (size_t)padded * dim);
-    memset(vp, 0, sizeof(float) * (size_t)padded * dim);
-    for (int j = 0; j < len; j++) pack_row(k + j * stride * elem, v + j * stride * elem, j, dim, bf16, kt, vp);
+    pack_padding(len, padded, dim, bf16, kt, vp);
+    int j = 0;
+    for (; j + 16 <= len; j += 16) pack16(k + j * stride * elem, v + j * stride * elem, stride, j, dim, bf16, kt, vp);
+    for (; j < len; j++) pack_row(k + j * stride * elem, v + j * stride * elem, j, dim, bf16, kt, vp);
 }
 
 /* Sixteen keys' scores for `rows` query rows (q rows q_stride elements apart). */
@@ -628,14 +696,18 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
 static void pack_pages(const char *k, const char *v, const int32_t *pages, int num_pages,
                        int block_size, int kv_heads, int head, int padded, int dim, int bf16,
                        void *kt, void *vp) {
-    const int64_t elem = bf16 ? 2 : 4;
-    memset(kt, 0, sizeof(float) * (size_t)padded * dim);
-    memset(vp, 0, sizeof(float) * (size_t)padded * dim);
-    for (int pg = 0; pg < num_pages; pg++)
-        for (int slot = 0; slot < block_size; slot++) {
-            int64_t at = (((int64_t)pages[pg] * block_size + slot) * kv_heads + head) * dim * elem;
-            pack_row(k + at, v + at, pg * block_size + slot, dim, bf16, kt, vp);
-        }
+    const int64_t elem = bf16 ? 2 : 4, stride = (int64_t)kv_heads * dim;
+    pack_padding(num_pages * block_size, padded, dim, bf16, kt, vp);
+    for (int pg = 0; pg < num_pages; pg++) {
+        const int64_t at = (((int64_t)pages[pg] * block_size) * kv_heads + head) * dim * elem;
+        int slot = 0;
+        for (; block_size % 16 == 0 && slot < block_size; slot += 16)
+            pack16(k + at + slot * stride * elem, v + at + slot * stride * elem, stride,
+                   pg * block_size + slot, dim, bf16, kt, vp);
+        for (; slot < block_size; slot++)
+            pack_row(k + at + slot * stride * elem, v + at + slot * stride * elem,
+                     pg * block_size + slot, dim, bf16, kt, vp);
+    }
 }
 
 /* Whether shared_attention runs on tiles here (AMX built and granted): read by kernels/ops.py,

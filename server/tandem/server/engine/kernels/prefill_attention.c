@@ -447,21 +447,22 @@ INLINE void step_values(const char *p, const char *v, int dim) {
     }
 }
 
-/* The value-sum tiles out to acc (16 rows, dim floats apart) or in from it. */
+/* The value-sum tiles (dim 32 or 64: two or four) out to acc (16 rows, dim floats apart) or in
+ * from it. */
 INLINE void sums_out(float *acc, int dim) {
-    for (int t = 0; t < dim / 16; t++) {
-        if (t == 0) _tile_stored(0, acc, dim * 4);
-        if (t == 1) _tile_stored(1, acc + 16, dim * 4);
-        if (t == 2) _tile_stored(2, acc + 32, dim * 4);
-        if (t == 3) _tile_stored(3, acc + 48, dim * 4);
+    _tile_stored(0, acc, dim * 4);
+    _tile_stored(1, acc + 16, dim * 4);
+    if (dim > 32) {
+        _tile_stored(2, acc + 32, dim * 4);
+        _tile_stored(3, acc + 48, dim * 4);
     }
 }
 INLINE void sums_in(const float *acc, int dim) {
-    for (int t = 0; t < dim / 16; t++) {
-        if (t == 0) _tile_loadd(0, acc, dim * 4);
-        if (t == 1) _tile_loadd(1, acc + 16, dim * 4);
-        if (t == 2) _tile_loadd(2, acc + 32, dim * 4);
-        if (t == 3) _tile_loadd(3, acc + 48, dim * 4);
+    _tile_loadd(0, acc, dim * 4);
+    _tile_loadd(1, acc + 16, dim * 4);
+    if (dim > 32) {
+        _tile_loadd(2, acc + 32, dim * 4);
+        _tile_loadd(3, acc + 48, dim * 4);
     }
 }
 
@@ -491,6 +492,7 @@ static void step_probabilities(const float *s, int j, int width, int last, int r
                                float scale, Running *run, __m512 *sums, float *acc, char *p) {
     const __m512i at0 = _mm512_add_epi32(_mm512_set1_epi32(j), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512 c = _mm512_set1_ps(scale * LOG2E);
     for (int r = 0; r < AMX_ROWS; r++) {
         const float *row = s + r * STEP;
         const __m512 x0 = masked16(row, 0, j, last + r * rise, at0);
@@ -498,7 +500,7 @@ static void step_probabilities(const float *s, int j, int width, int last, int r
         const __m512 top = _mm512_max_ps(x0, x1);
         if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((run[r].max + RISE / LOG2E) / scale), _CMP_GT_OQ))
             step_rise(r, _mm512_reduce_max_ps(top) * scale, dim, run + r, sums + r, acc);
-        const __m512 c = _mm512_set1_ps(scale * LOG2E), m = _mm512_set1_ps(run[r].max * LOG2E);
+        const __m512 m = _mm512_set1_ps(run[r].max * LOG2E);
         const __m512 e0 = exp2_bf16(_mm512_fmsub_ps(x0, c, m));
         const __m512 e1 = width > 16 ? exp2_bf16(_mm512_fmsub_ps(x1, c, m)) : _mm512_setzero_ps();
         sums[r] = _mm512_add_ps(sums[r], _mm512_add_ps(e0, e1));

@@ -18,6 +18,7 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -75,19 +76,21 @@ static void group_panel(const float *x, int64_t x_stride, const float *panel, in
 #undef ROWS_CASE
 }
 
-/* One panel's passes, a group of ROWS rows each. A lone pass asks for its own panel AHEAD
- * inputs ahead; several share out asking for the next panel (a thread's panels are
- * consecutive), so it streams in from memory while this one is multiplied from L2: at 16-32
+/* Passes g0 .. g1 - 1 over one panel, a group of ROWS rows each. A lone pass asks for its own
+ * panel AHEAD inputs ahead; several share out asking for the next panel (unless this is the
+ * thread's last), so it streams in from memory while this one is multiplied from L2: at 16-32
  * rows the passes after the first ran at the FMA rate and the first at the rate lines came
  * in on demand (default model, 2 threads, FMAs a cycle a thread: 576 -> 3072 at 32 rows
  * 1.34 -> 1.57, lm_head 1.0 -> 1.4-1.7). */
 static void panel_passes(const float *x, int64_t x_stride, int m, int k, const float *panel,
-                         int last, const float *bias, int cols, float *out, int64_t out_stride) {
-    const int passes = (m + ROWS - 1) / ROWS, lines = (4 + passes - 1) / passes;
-    for (int g = 0; g < passes; g++) {
-        const float *ask = passes == 1 ? panel + AHEAD * PANEL
-                                       : panel + (int64_t)k * PANEL + (int64_t)g * k * lines * 16;
-        const int asks = passes > 1 && (last || g * lines >= 4) ? 0 : lines;
+                         int g0, int g1, int last, const float *bias, int cols, float *out,
+                         int64_t out_stride) {
+    const int lines = (4 + g1 - g0 - 1) / (g1 - g0);
+    for (int g = g0; g < g1; g++) {
+        const int j = g - g0;
+        const float *ask = g1 - g0 == 1 && last ? panel + AHEAD * PANEL
+                                                 : panel + (int64_t)k * PANEL + (int64_t)j * k * lines * 16;
+        const int asks = (g1 - g0 > 1 && last) || j * lines >= 4 ? 0 : lines;
         group_panel(x + g * ROWS * x_stride, x_stride, panel, k,
                     m - g * ROWS < ROWS ? m - g * ROWS : ROWS, bias, cols,
                     out + g * ROWS * out_stride, out_stride, ask, asks);
@@ -95,16 +98,27 @@ static void panel_passes(const float *x, int64_t x_stride, int m, int k, const f
 }
 
 /* out [m, n] (rows out_stride apart) = x [m, k] (rows x_stride apart) times the weight packed
- * by panel_pack, plus bias [n] (or NULL), float32. The threads split the panels; each panel
- * streams in once and meets every group of ROWS rows while in L2. */
+ * by panel_pack, plus bias [n] (or NULL), float32. The threads split the (panel, pass) pairs
+ * into consecutive runs, so each panel streams in once (twice where two threads split it)
+ * and meets its groups of ROWS rows while in L2; splitting pairs rather than panels evens
+ * out a panel count the threads do not divide (nine for the default model's 576 outputs). */
 void panel_linear(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
                   const float *bias, float *out, int64_t out_stride, int threads) {
-    const int panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int p = 0; p < panels; p++) {
-        const int cols = n - PANEL * p < PANEL ? n - PANEL * p : PANEL;
-        panel_passes(x, x_stride, m, k, packed + (int64_t)p * k * PANEL, p + 1 == panels,
-                     bias ? bias + PANEL * p : NULL, cols, out + PANEL * p, out_stride);
+    const int panels = (n + PANEL - 1) / PANEL, passes = (m + ROWS - 1) / ROWS;
+    const int64_t pairs = (int64_t)panels * passes;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t end = pairs * (t + 1) / nt;
+        for (int64_t u = pairs * t / nt; u < end;) {
+            const int p = (int)(u / passes), g0 = (int)(u % passes);
+            const int g1 = end - (int64_t)p * passes < passes ? (int)(end - (int64_t)p * passes) : passes;
+            const int cols = n - PANEL * p < PANEL ? n - PANEL * p : PANEL;
+            panel_passes(x, x_stride, m, k, packed + (int64_t)p * k * PANEL, g0, g1,
+                         (int64_t)(p + 1) * passes >= end, bias ? bias + PANEL * p : NULL, cols,
+                         out + PANEL * p, out_stride);
+            u = (int64_t)p * passes + g1;
+        }
     }
 }
 #endif

@@ -84,3 +84,49 @@ def test_a_counts_first_step_of_a_kind_is_not_a_measure() -> None:
     assert tuner.record(DECODE, threads, 0.100, busy=SHARED) is False
     assert tuner.record(DECODE, tuner.choose(DECODE), 0.010, busy=QUIET) is True
     assert _steps(tuner, {2: 0.010, 1: 0.018}, 50, busy=QUIET) == [2] * 50
+
+
+def test_a_kind_first_seen_on_shared_cores_starts_on_one_thread() -> None:
+    """The batch's big prefills are kinds of their own, run once or twice: beside a co-tenant
+    each would otherwise pay two steps on every thread (up to ten times one thread's) before
+    its choice. More threads are tried at the intervals (and once ten times what the decodes'
+    try lost has run), and kept where they win."""
+    tuner = ThreadTuner(2)
+    _steps(tuner, {2: 0.080, 1: 0.020}, 50)  # the decodes found the cores shared
+    prefill = ThreadTuner.kind_of(False, 4096)
+    tried = []
+    for _ in range(4 * FIRST_EXPLORE):
+        threads = tuner.choose(prefill)
+        tuner.record(prefill, threads, 0.5 if threads == 2 else 1.0, SHARED)
+        tried.append(threads)
+    assert tried[: FIRST_EXPLORE - 1] == [1] * (FIRST_EXPLORE - 1)
+    assert tried[-FIRST_EXPLORE:].count(2) >= FIRST_EXPLORE - 1
+
+
+def test_a_kind_first_seen_on_quiet_cores_starts_on_every_thread() -> None:
+    tuner = ThreadTuner(2)
+    _steps(tuner, {2: 0.080, 1: 0.020}, 50)
+    _steps(tuner, {2: 0.010, 1: 0.018}, 200, busy=QUIET)  # the co-tenant left
+    prefill = ThreadTuner.kind_of(False, 4096)
+    assert tuner.choose(prefill) == 2
+
+
+def test_a_new_kind_starts_on_its_nearest_measured_neighbours_count() -> None:
+    tuner = ThreadTuner(2)
+    decode_8 = ThreadTuner.kind_of(True, 8)
+    for busy in [SHARED] * 50 + [QUIET]:
+        threads = tuner.choose(decode_8)
+        tuner.record(decode_8, threads, 0.02 if threads == 1 else 0.5, busy)
+    assert tuner.chosen(decode_8) == 1  # one thread won, though the newest step looked quiet
+    assert tuner.choose(ThreadTuner.kind_of(True, 16)) == 1
+    assert tuner.choose(ThreadTuner.kind_of(False, 4096)) == 2  # no prefill measured yet
+
+
+def test_a_try_waits_for_ten_times_its_expected_loss() -> None:
+    """Beside a co-tenant a two-thread decode step took ten times a one-thread step: trying it
+    every interval cost half a batch's time."""
+    tuner = ThreadTuner(2)
+    chosen = _steps(tuner, {2: 1.0, 1: 0.1}, 1000)
+    # the first tries (a first step, then a measure) find two threads ten times slower; after
+    # them, each try waits for ten times its loss (9 s, 90 one-thread steps)
+    assert chosen.count(2) <= 4 + 1000 // 90

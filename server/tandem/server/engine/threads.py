@@ -15,6 +15,22 @@ thread's CPU time over the step's wall time (``busy``) is ~1.0 on cores of its o
 or spins the whole step) and ~0.5 when a co-tenant takes half of them (measured on 2 cores:
 0.98-1.0 quiet, 0.46-0.50 beside one busy process per core).
 
+A kind first seen starts on the count its phase's measured kind nearest in size chose, or,
+with none, on one thread where the newest measured step (of any kind) found the cores shared;
+it tries more only at those intervals: the big prefills of a batch are each a
+kind of their own, run a few times at most, and beside one busy process per core two threads
+took 6.5-38.6 s where one took 4.1 s for the two 4,096-token prefills of 64 prompts (bf16
+default model), so finding out anew per kind what the decodes already showed cost more than
+the whole batch's decodes.
+
+Nor does a try cost more than a tenth of the time: one waits, besides its interval, until the
+kind's steps on the chosen count since its last try add up to ten times what the try is
+expected to lose, the newest try of that count (of any kind, a first step too) over its
+kind's chosen count telling how much slower it runs. Beside a co-tenant a decode step on two
+threads took 0.6-1.1 s where one thread took ~0.1 (every parallel region's join waits out a
+timeslice), so each kind's tries every 16-64 of its steps cost the bf16 default model's
+64-prompt batch 11-12 s of its 22-26.
+
 A count's first step of a kind is not a measure: it pays what is done once (weights faulted in
 from the model file and packed on first use, kernels made for a new shape, 4.5x a step of the
 default model's 117-token prefill), so it is run and not recorded. Recorded, it made one thread
@@ -31,6 +47,7 @@ ALPHA = 0.3  # weight of the newest step in each count's moving average
 FIRST_EXPLORE = 16  # steps of a kind between tries of another count, at first
 MOST_EXPLORE = 1024
 SHARED_BELOW = 0.8  # a step's busy share under which its cores count as shared
+TRY_SHARE = 10  # a try waits for this many times what the tried count last lost, run since
 
 
 def thread_counts(most: int) -> tuple[int, ...]:
@@ -48,12 +65,15 @@ class _Kind:
     chosen: int = 0
     shared: bool = False  # the newest step on the chosen count found its cores shared
     warmed: set[int] = field(default_factory=set)  # counts whose first step has run
+    since: float = 0.0  # seconds of chosen-count steps since the newest try of another
 
 
 class ThreadTuner:
     def __init__(self, most: int) -> None:
         self.counts = thread_counts(most)
         self._kinds: dict[tuple[bool, int], _Kind] = {}
+        self._shared = False  # the newest measured step, of any kind, found its cores shared
+        self._ratio: dict[int, float] = {}  # a count's newest try, over its kind's chosen count
 
     @staticmethod
     def kind_of(is_decode: bool, num_tokens: int) -> tuple[bool, int]:
@@ -61,18 +81,34 @@ class ThreadTuner:
 
     def choose(self, kind: tuple[bool, int]) -> int:
         """The thread count for the next step of ``kind``."""
-        k = self._kinds.setdefault(kind, _Kind(chosen=self.counts[0]))
+        k = self._kinds.get(kind)
+        if k is None:
+            k = self._kinds[kind] = _Kind(chosen=self._start(kind), shared=self._shared)
         k.steps += 1
         if k.chosen == self.counts[0] and not k.shared:
             return k.chosen
-        untried = [c for c in self.counts if c not in k.seconds]
-        if untried:
-            return untried[0]
+        if k.chosen not in k.seconds:
+            return k.chosen
+        fewer = [c for c in self.counts if c < k.chosen and c not in k.seconds]
+        if fewer:  # fewer threads: tried at once (more wait for the intervals below)
+            return fewer[0]
         best = min(k.seconds, key=k.seconds.__getitem__)
         if k.steps % k.every == 0:  # try the count measured longest ago: the one not best
             others = [c for c in self.counts if c != best]
-            return others[(k.steps // k.every) % len(others)]
+            other = others[(k.steps // k.every) % len(others)]
+            ratio = self._ratio.get(other)
+            expected = k.seconds[best] * ratio if ratio else k.seconds.get(other, 0.0)
+            if k.since >= TRY_SHARE * (expected - k.seconds[best]):
+                return other
         return best
+
+    def _start(self, kind: tuple[bool, int]) -> int:
+        """A new kind's first count: the choice of the measured kind of its phase (prefill or
+        decode) nearest in size, else one thread if the newest step found the cores shared."""
+        measured = [o for o, k in self._kinds.items() if o[0] == kind[0] and k.chosen in k.seconds]
+        if measured:
+            return self._kinds[min(measured, key=lambda o: abs(o[1] - kind[1]))].chosen
+        return self.counts[-1] if self._shared else self.counts[0]
 
     def chosen(self, kind: tuple[bool, int]) -> int:
         """The count ``kind``'s steps run on when not trying another."""
@@ -86,11 +122,17 @@ class ThreadTuner:
         replaced (its old one may be from another load). Returns whether the step was a
         measure (not the count's first step of the kind), for other timings to skip alike."""
         k = self._kinds[kind]
+        if threads != k.chosen and k.chosen in k.seconds:
+            self._ratio[threads] = seconds / k.seconds[k.chosen]
         if threads not in k.warmed:
             k.warmed.add(threads)
             return False
+        self._shared = busy < SHARED_BELOW
         if threads == k.chosen:
-            k.shared = busy < SHARED_BELOW
+            k.shared = self._shared
+            k.since += seconds
+        else:
+            k.since = 0.0
         old = k.seconds.get(threads)
         fresh = old is None or threads != k.chosen
         k.seconds[threads] = seconds if fresh else old + ALPHA * (seconds - old)

@@ -16,20 +16,19 @@ or spins the whole step) and ~0.5 when a co-tenant takes half of them (measured 
 0.98-1.0 quiet, 0.46-0.50 beside one busy process per core).
 
 A kind first seen starts on the count its phase's measured kind nearest in size chose, or,
-with none, on one thread where the newest measured step (of any kind) found the cores shared;
-it tries more only at those intervals: the big prefills of a batch are each a
-kind of their own, run a few times at most, and beside one busy process per core two threads
-took 6.5-38.6 s where one took 4.1 s for the two 4,096-token prefills of 64 prompts (bf16
-default model), so finding out anew per kind what the decodes already showed cost more than
-the whole batch's decodes.
+with none, on one thread where the newest measured step (of any kind) found the cores shared:
+the big prefills of a batch are each a kind of their own, run a few times at most, and beside
+one busy process per core two threads took 6.5-38.6 s where one took 4.1 s for the two
+4,096-token bf16 prefills of 64 prompts (default model).
 
-Nor does a try cost more than a tenth of the time: one waits, besides its interval, until the
-kind's steps on the chosen count since its last try add up to ten times what the try is
-expected to lose, the newest try of that count (of any kind, a first step too) over its
-kind's chosen count telling how much slower it runs. Beside a co-tenant a decode step on two
-threads took 0.6-1.1 s where one thread took ~0.1 (every parallel region's join waits out a
-timeslice), so each kind's tries every 16-64 of its steps cost the bf16 default model's
-64-prompt batch 11-12 s of its 22-26.
+A kind measures each count once as soon as a try can be afforded: when its steps on the chosen
+count since its last try have run ten times what the try is expected to lose, the newest
+figure of that count in the same phase (a try's first step too), as a multiple of its kind's
+best count, telling how much slower it runs (a try with no such figure goes ahead). Beside a co-tenant a decode step on two
+threads took 0.6-2 s where one thread took ~0.1 (every parallel region's join waits out a
+timeslice; tries cost the 64-prompt batch 11-12 s of its 22-26), while float32 4,096-token
+prefills, long regions, ran 1.4x faster on two threads than on one: so one phase's losses do
+not gate the other's tries.
 
 A count's first step of a kind is not a measure: it pays what is done once (weights faulted in
 from the model file and packed on first use, kernels made for a new shape, 4.5x a step of the
@@ -73,7 +72,8 @@ class ThreadTuner:
         self.counts = thread_counts(most)
         self._kinds: dict[tuple[bool, int], _Kind] = {}
         self._shared = False  # the newest measured step, of any kind, found its cores shared
-        self._ratio: dict[int, float] = {}  # a count's newest try, over its kind's chosen count
+        # (phase, count): its newest figure (a try, or a measure), over its kind's best count
+        self._ratio: dict[tuple[bool, int], float] = {}
 
     @staticmethod
     def kind_of(is_decode: bool, num_tokens: int) -> tuple[bool, int]:
@@ -89,18 +89,27 @@ class ThreadTuner:
             return k.chosen
         if k.chosen not in k.seconds:
             return k.chosen
-        fewer = [c for c in self.counts if c < k.chosen and c not in k.seconds]
-        if fewer:  # fewer threads: tried at once (more wait for the intervals below)
-            return fewer[0]
         best = min(k.seconds, key=k.seconds.__getitem__)
-        if k.steps % k.every == 0:  # try the count measured longest ago: the one not best
+        untried = [c for c in self.counts if c not in k.seconds]
+        if untried:  # each count measured once as soon as it can be afforded
+            other = untried[0]
+        elif k.steps % k.every == 0:  # then the count measured longest ago: the one not best
             others = [c for c in self.counts if c != best]
             other = others[(k.steps // k.every) % len(others)]
-            ratio = self._ratio.get(other)
-            expected = k.seconds[best] * ratio if ratio else k.seconds.get(other, 0.0)
-            if k.since >= TRY_SHARE * (expected - k.seconds[best]):
-                return other
-        return best
+        else:
+            return best
+        return other if self._affordable(kind, k, other, best) else best
+
+    def _affordable(self, kind: tuple[bool, int], k: _Kind, other: int, best: int) -> bool:
+        """Whether ``kind``'s steps on the chosen count since its last try have run ten times
+        what a try of ``other`` is expected to lose: the newest figure of that count in this
+        phase (prefill or decode), as a multiple of its kind's best count, tells how much
+        slower it runs. A try whose first step has run is always completed."""
+        if other in k.warmed and other not in k.seconds:
+            return True
+        ratio = self._ratio.get((kind[0], other))
+        expected = k.seconds[best] * ratio if ratio else k.seconds.get(other, 0.0)
+        return k.since >= TRY_SHARE * (expected - k.seconds[best])
 
     def _start(self, kind: tuple[bool, int]) -> int:
         """A new kind's first count: the choice of the measured kind of its phase (prefill or
@@ -123,7 +132,7 @@ class ThreadTuner:
         measure (not the count's first step of the kind), for other timings to skip alike."""
         k = self._kinds[kind]
         if threads != k.chosen and k.chosen in k.seconds:
-            self._ratio[threads] = seconds / k.seconds[k.chosen]
+            self._ratio[kind[0], threads] = seconds / k.seconds[k.chosen]
         if threads not in k.warmed:
             k.warmed.add(threads)
             return False
@@ -137,6 +146,8 @@ class ThreadTuner:
         fresh = old is None or threads != k.chosen
         k.seconds[threads] = seconds if fresh else old + ALPHA * (seconds - old)
         best = min(k.seconds, key=k.seconds.__getitem__)
+        for count, figure in k.seconds.items():
+            self._ratio[kind[0], count] = figure / k.seconds[best]
         if best == k.chosen:
             if threads != best:  # a try of another count confirmed the choice
                 k.every = min(2 * k.every, MOST_EXPLORE)

@@ -2,7 +2,8 @@
  * position, every head, over the step's own K and V (or a sequence's gathered pages). PyTorch's
  * CPU flash attention ran these at 85-135 GFLOP/s on two Zen 4 cores; a long prompt's prefill
  * spent as long in attention as in its linears. This runs bfloat16 at 210-270 GFLOP/s
- * (`vdpbf16ps`, 32 products an instruction) and float32 at 95-165.
+ * (`vdpbf16ps`, 32 products an instruction) and float32 at 190-225 (eight rows by 32 keys
+ * a step: four rows by sixteen keys, four chains of FMAs, had run at 140-160).
  *
  * K and V are first repacked per KV head so that both products run with lanes along a
  * contiguous axis: keys transposed, KEY_BLOCK at a time (lane = key; in bfloat16 a word holds
@@ -38,6 +39,7 @@
 #define INLINE static inline __attribute__((always_inline))
 #define KEYS 16
 #define MAX_ROWS 4
+#define F32_ROWS 8 /* float32 rows a block (head sizes up to 64): sixteen chains of FMAs */
 #define KEY_BLOCK 128 /* keys whose packed K and V a chunk of rows walks through at once */
 #define CHUNK 64      /* query rows of one head a thread takes at a time */
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
@@ -171,6 +173,23 @@ INLINE void scores16(const char *q, int64_t q_stride, const void *kt, int j0,
     }
 }
 
+/* float32: 32 keys' scores (j0 a multiple of 32 within its block) for `rows` query rows, two
+ * vectors of keys a row: up to F32_ROWS x 2 independent FMA chains, where sixteen keys gave four
+ * rows four chains against the eight two FMA ports of latency four keep busy (half the peak). */
+INLINE void scores32(const char *q, int64_t q_stride, const float *kt, int j0, const int rows,
+                     const int dim, __m512 acc[F32_ROWS][2]) {
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d++) {
+        const float *at = kt + key_at(d, j0, dim);
+        const __m512 lo = _mm512_loadu_ps(at), hi = _mm512_loadu_ps(at + 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 b = _mm512_set1_ps(((const float *)(q + r * q_stride * 4))[d]);
+            acc[r][0] = _mm512_fmadd_ps(b, lo, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, hi, acc[r][1]);
+        }
+    }
+}
+
 /* Running softmax of one query row over the key blocks seen so far: max (in the AMX rows, the
  * reference the probabilities are taken against: within RISE of the max), the probabilities'
  * sum against it, and the weighted values (dim floats) it scales as it rises. */
@@ -213,18 +232,31 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
                                 const int bf16, float scale, Running *run, float *acc,
                                 float *s, char *p) {
     const int elem = bf16 ? 2 : 4;
-    __m512 maxv[MAX_ROWS];
+    __m512 maxv[F32_ROWS];
     for (int r = 0; r < rows; r++) maxv[r] = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < n; j += KEYS) {
-        __m512 dot[MAX_ROWS];
-        scores16(q, q_stride, kt, j0 + j, rows, dim, bf16, dot);
-        __m512i at = _mm512_add_epi32(_mm512_set1_epi32(j0 + j), _mm512_setr_epi32(
-            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        for (int r = 0; r < rows; r++) {
-            __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
-            __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dot[r]);
-            _mm512_storeu_ps(s + r * KEY_BLOCK + j, x);
-            maxv[r] = _mm512_max_ps(maxv[r], x);
+    for (int j = 0; j < n;) {
+        __m512 dot[F32_ROWS][2];
+        const int two = !bf16 && n - j >= 2 * KEYS;
+        if (two)
+            scores32(q, q_stride, (const float *)kt, j0 + j, rows, dim, dot);
+        else {
+            __m512 one[MAX_ROWS];
+            scores16(q, q_stride, kt, j0 + j, rows < MAX_ROWS ? rows : MAX_ROWS, dim, bf16, one);
+            for (int r = 0; r < rows && r < MAX_ROWS; r++) dot[r][0] = one[r];
+            if (rows > MAX_ROWS) {
+                scores16(q + MAX_ROWS * q_stride * elem, q_stride, kt, j0 + j, rows - MAX_ROWS, dim, bf16, one);
+                for (int r = MAX_ROWS; r < rows; r++) dot[r][0] = one[r - MAX_ROWS];
+            }
+        }
+        for (int half = 0; half <= two; half++, j += KEYS) {
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32(j0 + j), _mm512_setr_epi32(
+                0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+            for (int r = 0; r < rows; r++) {
+                __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
+                __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dot[r][half]);
+                _mm512_storeu_ps(s + r * KEY_BLOCK + j, x);
+                maxv[r] = _mm512_max_ps(maxv[r], x);
+            }
         }
     }
     for (int r = 0; r < rows; r++)
@@ -232,11 +264,12 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
                     run + r, acc + r * dim, p + (int64_t)r * KEY_BLOCK * elem);
 }
 
-/* acc rows += p (rows x n keys) times the packed values of keys j0 .. j0 + n - 1. */
+/* acc rows (dim floats apart) += p (rows x n keys) times the packed values of keys j0 .. j0 + n
+ * - 1, `chunks` sixteen dimensions of them from where vp and acc point. */
 INLINE void block_values(const char *p, const void *vp, int j0, int n, const int rows,
-                         const int chunks, const int bf16, float *acc) {
-    const int dim = chunks * 16, elem = bf16 ? 2 : 4;
-    __m512 sum[MAX_ROWS][MAX_CHUNKS];
+                         const int chunks, const int dim, const int bf16, float *acc) {
+    const int elem = bf16 ? 2 : 4;
+    __m512 sum[F32_ROWS][MAX_CHUNKS];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) sum[r][c] = _mm512_loadu_ps(acc + r * dim + c * 16);
     for (int j = 0; j < n; j += 1 + bf16) { /* bfloat16: a word holds keys j and j + 1 */
@@ -548,22 +581,27 @@ static void amx_rows_pipelined(const char *q, int64_t q_stride, const void *kt, 
 /* Rows of one head against one key block, inlined for the common shapes. */
 static void rows_block(const char *q, int64_t q_stride, const void *kt, const void *vp, int j0, int n, int position, int rise, int rows, int chunks, int bf16,
                        float scale, Running *run, float *acc, float *s, char *p) {
-#define BLOCK(R, C, B)                                                                         \
+#define BLOCK(R, C, B, PARTS)                                                                  \
     if (rows == R && chunks == C && bf16 == B) {                                               \
         block_probabilities(q, q_stride, kt, j0, n, position, rise, R, C * 16, B, scale,      \
                             run, acc, s, p);                                                   \
-        block_values(p, vp, j0, n, R, C, B, acc);                                              \
+        for (int c0 = 0; c0 < C; c0 += C / PARTS) /* each part's sums held in registers */     \
+            block_values(p, (const char *)vp + c0 * 64, j0, n, R, C / PARTS, C * 16, B,        \
+                         acc + c0 * 16);                                                       \
         return;                                                                                \
     }
-    BLOCK(4, 4, 1) BLOCK(2, 8, 1) BLOCK(4, 4, 0) BLOCK(2, 8, 0)
+    BLOCK(4, 4, 1, 1) BLOCK(2, 8, 1, 1) BLOCK(8, 4, 0, 2) BLOCK(4, 8, 0, 2) BLOCK(4, 4, 0, 1)
+    BLOCK(2, 8, 0, 1)
 #undef BLOCK
     const int elem = bf16 ? 2 : 4, dim = chunks * 16;
     for (int r = 0; r < rows; r++) {
         block_probabilities(q + r * q_stride * elem, q_stride, kt, j0, n, position + r * rise,
                             rise, 1, dim, bf16, scale, run + r, acc + r * dim, s, p);
-        block_values(p, vp, j0, n, 1, chunks, bf16, acc + r * dim);
+        block_values(p, vp, j0, n, 1, chunks, dim, bf16, acc + r * dim);
     }
 }
+
+#define SCRATCH_ROWS (AMX_ROWS > F32_ROWS ? AMX_ROWS : F32_ROWS) /* rows of scores a block */
 
 /* One thread's buffers for rows_walk, and its tiles configured when it uses them. */
 typedef struct {
@@ -574,10 +612,10 @@ typedef struct {
 } Scratch;
 
 static Scratch scratch_new(int dim, int amx) {
-    Scratch w = {malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK),
+    Scratch w = {malloc(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
                  malloc(sizeof(float) * (CHUNK + AMX_ROWS) * (size_t)dim), /* a padded group past a chunk */
                  malloc(sizeof(float) * AMX_ROWS * (size_t)dim),
-                 malloc(sizeof(float) * AMX_ROWS * KEY_BLOCK),
+                 malloc(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
                  malloc(sizeof(uint16_t) * AMX_ROWS * (size_t)dim),
                  malloc(sizeof(Running) * (CHUNK + AMX_ROWS)), amx};
     if (amx) amx_configure();
@@ -600,7 +638,8 @@ static void scratch_free(Scratch *w) {
 static void rows_walk(const char *q, int64_t q_stride, const void *kt, const void *vp,
                       int position, int rise, int rows, int chunks, int bf16, float scale,
                       Scratch *w) {
-    const int dim = chunks * 16, elem = bf16 ? 2 : 4, block = chunks <= 4 ? 4 : 2, amx = w->amx;
+    const int dim = chunks * 16, elem = bf16 ? 2 : 4, amx = w->amx;
+    const int block = (chunks <= 4 ? MAX_ROWS : MAX_ROWS / 2) * (bf16 ? 1 : F32_ROWS / MAX_ROWS);
     Running *run = w->run;
     float *acc = w->acc;
     const int pipelined = amx && dim <= 64, held = pipelined ? rows + AMX_ROWS : rows;

@@ -76,9 +76,10 @@ static void group_panel(const float *x, int64_t x_stride, const float *panel, in
 #undef ROWS_CASE
 }
 
-/* Passes g0 .. g1 - 1 over one panel, a group of ROWS rows each. A lone pass asks for its own
- * panel AHEAD inputs ahead; several share out asking for the next panel (unless this is the
- * thread's last), so it streams in from memory while this one is multiplied from L2: at 16-32
+/* Passes g0 .. g1 - 1 over one panel, a group of ROWS rows each. Unless this is the thread's
+ * last panel, the passes (one or several) share out asking for the next panel, so it streams
+ * in from memory while this one is multiplied from L2; on the thread's last panel a lone
+ * pass asks for its own panel AHEAD inputs ahead and several ask for nothing. At 16-32
  * rows the passes after the first ran at the FMA rate and the first at the rate lines came
  * in on demand (default model, 2 threads, FMAs a cycle a thread: 576 -> 3072 at 32 rows
  * 1.34 -> 1.57, lm_head 1.0 -> 1.4-1.7). */

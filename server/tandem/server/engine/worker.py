@@ -63,6 +63,8 @@ class Worker:
         if base_device.type == "cpu":
             self.step_curve = StepCurve()
             settle_cpu_process()
+            if self._ranks is None:
+                self.runner.warm_up(config.max_num_batched_tokens)
 
     def execute(
         self, batch: ScheduledBatch, lora_slots: list[int] | None = None

@@ -155,7 +155,7 @@ static void pack(const char *k, const char *v, int64_t stride, int len, int padd
 
 /* Sixteen keys' scores for `rows` query rows (q rows q_stride elements apart). */
 INLINE void scores16(const char *q, int64_t q_stride, const void *kt, int j0,
-                     const int rows, const int dim, const int bf16, __m512 acc[MAX_ROWS]) {
+                     const int rows, const int dim, const int bf16, __m512 acc[F32_ROWS]) {
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     if (bf16) {
         for (int c = 0; c < dim / 2; c++) {
@@ -240,13 +240,9 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
         if (two)
             scores32(q, q_stride, (const float *)kt, j0 + j, rows, dim, dot);
         else {
-            __m512 one[MAX_ROWS];
-            scores16(q, q_stride, kt, j0 + j, rows < MAX_ROWS ? rows : MAX_ROWS, dim, bf16, one);
-            for (int r = 0; r < rows && r < MAX_ROWS; r++) dot[r][0] = one[r];
-            if (rows > MAX_ROWS) {
-                scores16(q + MAX_ROWS * q_stride * elem, q_stride, kt, j0 + j, rows - MAX_ROWS, dim, bf16, one);
-                for (int r = MAX_ROWS; r < rows; r++) dot[r][0] = one[r - MAX_ROWS];
-            }
+            __m512 one[F32_ROWS];
+            scores16(q, q_stride, kt, j0 + j, rows, dim, bf16, one);
+            for (int r = 0; r < rows; r++) dot[r][0] = one[r];
         }
         for (int half = 0; half <= two; half++, j += KEYS) {
             __m512i at = _mm512_add_epi32(_mm512_set1_epi32(j0 + j), _mm512_setr_epi32(

@@ -279,7 +279,7 @@ class ModelRunner:
         K/V go to the null page, before the first request, as vLLM's start-up does: the
         step's activations are faulted in once (kept by ``settle_cpu_process``) and oneDNN
         makes its kernels, which the first batch after start otherwise pays (a bfloat16
-        ``short`` batch of the bench ran 20-40 % slower first)."""
+        ``short`` batch of the bench ran 6-49 % slower first, over six children)."""
         bs = self.config.block_size
         longest = min(
             tokens, WARM_UP_SEQUENCE, max_model_len(self.config, self.model_config, self.num_blocks)

@@ -151,7 +151,7 @@ class GrammarCache:
             raise GrammarError(
                 "structured_outputs",
                 f"the {spec.kind} matches no output at all: it allows no first token "
-                "(a schema that is only a reference to itself, say)",
+                "(a regex no string matches, say)",
             )
         return compiled
 
@@ -170,8 +170,9 @@ def _compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
 
 
 def _allows_a_first_token(compiled: Any, vocab_size: int) -> bool:
-    """Whether any output can begin. ``{"$ref": "#"}`` compiles, yet its matcher rejects every
-    token: caught here it is the request's 400, not a failure at its first step."""
+    """Whether any output can begin. ``[^\\s\\S]`` compiles (and ``{"$ref": "#"}`` did before
+    xgrammar 0.2.9), yet its matcher rejects every token: caught here it is the request's 400,
+    not a failure at its first step."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)

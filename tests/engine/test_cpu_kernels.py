@@ -49,6 +49,19 @@ def test_rms_norm_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_is_torchs_add_then_the_norm(dtype: torch.dtype, rows: int) -> None:
+    """The residual stream's sum is torch's bit for bit (every later layer adds to it)."""
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = _rand(576, dtype=dtype, seed=1)
+    x, residual = _rand(rows, 576, dtype=dtype), _rand(rows, 576, dtype=dtype, seed=2)
+    out, total = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(out, kernels.rms_norm(residual + x, norm.weight, norm.eps))
+    _close(out, norm.reference(residual + x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_of_heads_viewed_in_a_wider_row(dtype: torch.dtype) -> None:
     """Qwen3's q/k norms run over ``[tokens, heads, head_dim]`` views of the qkv output."""
     norm = RMSNorm(64, 1e-6).to(dtype)

@@ -23,6 +23,7 @@ from .ops import (
     QUANT_BLOCK,
     QUANT_BLOCK_BYTES,
     QUANT_MAX_ROWS,
+    add_rms_norm,
     cpu_kernels_for,
     decode_linear,
     decode_linear_for,
@@ -45,6 +46,7 @@ from .ops import (
 )
 
 __all__ = [
+    "add_rms_norm",
     "QUANT_BLOCK",
     "QUANT_BLOCK_BYTES",
     "QUANT_MAX_ROWS",

@@ -8,6 +8,8 @@
 /* layers.c */
 void rms_norm(const void *x, void *out, const void *weight, int rows, int dim, int64_t x_stride,
               float eps, int bf16, int threads);
+void add_rms_norm(const void *x, const void *residual, void *sum, void *out, const void *weight,
+                  int rows, int dim, float eps, int bf16, int threads);
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int threads);
 void rope(void *x, const void *cos, const void *sin, int tokens, int heads, int head_dim,
           int rotary_dim, int64_t token_stride, int bf16, int threads);

@@ -61,6 +61,8 @@ SIGNATURES = {
     "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64] + [_I] * 5 + [_F, _I, _I],
     # x, out, weight, rows, dim, x_stride, eps, bf16, threads
     "rms_norm": [_P, _P, _P, _I, _I, _I64, _F, _I, _I],
+    # x, residual, sum, out, weight, rows, dim, eps, bf16, threads
+    "add_rms_norm": [_P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
     # gate_up, out, rows, inter, bf16, threads
     "silu_mul": [_P, _P, _I, _I, _I, _I],
     # x, cos, sin, tokens, heads, head_dim, rotary_dim, token_stride, bf16, threads

@@ -206,6 +206,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + residual`` (rounded as torch's add rounds) and its RMSNorm, in one pass: the
+    normalised rows and the sum (the residual stream's next value)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    library.load().add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr(),
+        total.data_ptr(),
+        out.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        eps,
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out, total
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a contiguous ``[N, 2 * I]`` holding ``[gate | up]`` per row."""
     rows, width = gate_up.shape

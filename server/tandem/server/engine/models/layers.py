@@ -28,6 +28,15 @@ class RMSNorm(nn.Module):
             return kernels.cuda_ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of ``x + residual`` and that sum, the residual stream's next value: on CPU
+        one pass of the C kernel, where the add alone was a pass (and a parallel region) of
+        its own."""
+        if kernels.cpu_kernels_for(x.device, x.dtype):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)

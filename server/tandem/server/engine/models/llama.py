@@ -64,9 +64,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope: RopeTables, h: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor, attn: AttentionStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the input norm of ``residual``, the stream so far. Returns the MLP's output
+        and the stream it is to be added to: the add is the next norm's (``RMSNorm.add``)."""
+        x, residual = self.post_attention_layernorm.add(self.self_attn(rope, x, attn), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -87,9 +91,11 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(rope, h, attn)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)
+        for layer, after in zip(self.layers, [*self.layers[1:], None], strict=True):
+            out, h = layer(rope, x, h, attn)
+            x, h = (after.input_layernorm if after else self.norm).add(out, h)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

@@ -38,22 +38,26 @@ void rms_norm(const void *x, void *out, const void *weight, int rows, int dim, i
     }
 }
 
+INLINE void add_rms_norm_row(const void *restrict x, const void *restrict residual,
+                             void *restrict sum, void *restrict out, const void *restrict w,
+                             int dim, float eps, const int bf16) {
+    for (int i = 0; i < dim; i++) store(sum, i, load(x, i, bf16) + load(residual, i, bf16), bf16);
+    rms_norm_row(sum, out, w, dim, eps, bf16);
+}
+
 /* sum = dtype(x + residual) (torch's add: in float32, rounded once), out = its RMSNorm: the
  * residual stream's add and the next norm in one pass over rows x and residual, contiguous. */
 void add_rms_norm(const void *x, const void *residual, void *sum, void *out, const void *weight,
                   int rows, int dim, float eps, int bf16, int threads) {
-    int64_t row_bytes = (int64_t)dim * (bf16 ? 2 : 4);
+    int64_t row = (int64_t)dim * (bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(threads) if ((int64_t)rows * dim > PARALLEL_WORK)
     for (int r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * row_bytes, *rr = (const char *)residual + r * row_bytes;
-        char *sr = (char *)sum + r * row_bytes, *outr = (char *)out + r * row_bytes;
-        if (bf16) {
-            for (int i = 0; i < dim; i++) store(sr, i, load(xr, i, 1) + load(rr, i, 1), 1);
-            rms_norm_row(sr, outr, weight, dim, eps, 1);
-        } else {
-            for (int i = 0; i < dim; i++) store(sr, i, load(xr, i, 0) + load(rr, i, 0), 0);
-            rms_norm_row(sr, outr, weight, dim, eps, 0);
-        }
+        const char *xr = (const char *)x + r * row, *rr = (const char *)residual + r * row;
+        char *sr = (char *)sum + r * row, *outr = (char *)out + r * row;
+        if (bf16)
+            add_rms_norm_row(xr, rr, sr, outr, weight, dim, eps, 1);
+        else
+            add_rms_norm_row(xr, rr, sr, outr, weight, dim, eps, 0);
     }
 }
 

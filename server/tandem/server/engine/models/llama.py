@@ -65,10 +65,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor, attn: AttentionStep
+        self, rope: RopeTables, h: torch.Tensor, residual: torch.Tensor | None, attn: AttentionStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: the input norm of ``residual``, the stream so far. Returns the MLP's output
-        and the stream it is to be added to: the add is the next norm's (``RMSNorm.add``)."""
+        """``h``: the previous layer's MLP output, still to be added to ``residual`` (the stream
+        so far; None before the first layer, where ``h`` is the stream). Each add is done by
+        the norm after it (``RMSNorm.add``); returns this layer's MLP output and the stream."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual)
         x, residual = self.post_attention_layernorm.add(self.self_attn(rope, x, attn), residual)
         return self.mlp(x), residual
 
@@ -91,11 +96,10 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
-        x = self.layers[0].input_layernorm(h)
-        for layer, after in zip(self.layers, [*self.layers[1:], None], strict=True):
-            out, h = layer(rope, x, h, attn)
-            x, h = (after.input_layernorm if after else self.norm).add(out, h)
-        return x
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(rope, h, residual, attn)
+        return self.norm.add(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

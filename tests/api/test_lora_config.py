@@ -2,7 +2,8 @@
 file lives in a directory written as the kubelet projects a ConfigMap volume, and every
 change to it is seen without a restart. An adapter added to it appears in ``/v1/models``
 with ``parent`` = the base and serves ``model`` = its name through the official ``openai``
-client (greedy tokens equal PEFT's); one removed is unloaded (404 ``model_not_found``); a
+client (greedy tokens equal PEFT's); one removed is unloaded (404 ``model_not_found``); one
+whose path changes is swapped with no moment of 404 (and kept when the new path fails); a
 broken adapter or a broken file is reported in ``/health`` and ``tandem:lora_config_errors``
 while everything else keeps serving; an adapter loaded by HTTP is not the file's to unload."""
 
@@ -105,6 +106,25 @@ def test_a_changed_path_reloads_the_adapter_under_its_name(
         what="chat reloaded from its new path",
     )
     want = peft_greedy(tiny_models["llama"], {"chat": loras["ko-r2"]}, "chat", lora_prompt_ids, N)
+    assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
+
+
+def test_a_new_path_that_does_not_load_leaves_the_old_version_serving(
+    server, client, volume, tiny_models, tiny_loras, lora_prompt_ids, tmp_path
+) -> None:
+    loras = tiny_loras["llama"]
+    project_config_map(volume, _config(chat=loras["all-r8"]))
+    wait_until(
+        lambda: client.models.retrieve("chat").model_extra["root"] == str(loras["all-r8"]),
+        timeout=60,
+        what="chat served from all-r8",
+    )
+    project_config_map(volume, _config(chat=tmp_path / "nowhere"))
+    wait_until(
+        lambda: "chat" in _health(server)["lora_config"]["errors"], timeout=60, what="reported"
+    )
+    assert client.models.retrieve("chat").model_extra["root"] == str(loras["all-r8"])
+    want = peft_greedy(tiny_models["llama"], {"chat": loras["all-r8"]}, "chat", lora_prompt_ids, N)
     assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
 
 

@@ -25,7 +25,7 @@ from tandem.server.engine.lora.segment import (
 from tandem.server.engine.sampling_params import InvalidParamError
 
 from ..hf_reference import peft_greedy
-from .utils import PROMPTS
+from .utils import PROMPTS, drain
 
 NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -242,6 +242,21 @@ def test_load_and_unload_at_run_time(case) -> None:
     assert engine.remove_lora("late") and not engine.remove_lora("late")
     with pytest.raises(InvalidParamError):
         engine.add_request("gone", ids[2], GREEDY, lora="late")
+
+
+def test_a_replaced_adapter_serves_new_requests_and_finishes_running_ones(case) -> None:
+    _, loras, llm, ids, expected = case
+    engine = llm.engine
+    engine.add_lora(engine.read_lora("swap", str(loras["qv-r4"])))
+    engine.add_request("old", ids[1], GREEDY, lora="swap")
+    engine.step()  # "old" holds qv-r4 from here on
+    engine.add_lora(engine.read_lora("swap", str(loras["mlp-r16"])), replace=True)
+    assert engine.served_loras["swap"] == str(loras["mlp-r16"])
+    engine.add_request("new", ids[1], GREEDY, lora="swap")
+    done = drain(engine)
+    assert done["old"].outputs[0].token_ids == expected[("qv-r4", 1)]
+    assert done["new"].outputs[0].token_ids == expected[("mlp-r16", 1)]
+    assert engine.remove_lora("swap")
 
 
 def test_segments_group_rows_by_slot() -> None:

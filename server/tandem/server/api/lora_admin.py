@@ -23,13 +23,15 @@ class LoraNameTaken(ValueError):
     """The name is the base model's, ``default``, or an adapter already served."""
 
 
-async def load_lora(state: ServerState, name: str, path: str) -> LoraAdapter:
-    """Read, check and serve the adapter at ``path`` as ``name``."""
-    if name in (state.model_name, "default") or name in state.engine.served_loras:
+async def load_lora(state: ServerState, name: str, path: str, replace: bool = False) -> LoraAdapter:
+    """Read, check and serve the adapter at ``path`` as ``name``; ``replace``: in place of
+    the adapter served as ``name``, which keeps serving if the new one does not load."""
+    taken = name in state.engine.served_loras and not replace
+    if name in (state.model_name, "default") or taken:
         raise LoraNameTaken(f"The lora adapter '{name}' has already been loaded.")
     read = await state.engine.call(lambda e: e.read_lora)
     adapter = await asyncio.to_thread(read, name, path)
-    await state.engine.call(lambda e: e.add_lora(adapter))
+    await state.engine.call(lambda e: e.add_lora(adapter, replace))
     log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, adapter.rank)
     return adapter
 

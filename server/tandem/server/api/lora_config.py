@@ -4,9 +4,11 @@ The operator renders an InferenceService's ``spec.loras`` into a ConfigMap mount
 every engine pod as a directory; the kubelet updates such a volume in place (a new
 timestamped directory, then an atomic swap of its ``..data`` link) and never restarts the
 pod. So the server polls the file (``POLL_SECONDS``) and reconciles: an adapter new in the
-file is loaded, one gone from it (or whose path changed) is unloaded, each through
-``lora_admin``, the path vLLM's admin routes take. Only the adapters the file brought are
-unloaded by it: ones loaded by ``--lora-modules`` or HTTP are left alone.
+file is loaded, one gone from it is unloaded, each through ``lora_admin``, the path vLLM's
+admin routes take; one whose path changed is swapped in place, so its name never stops
+being served (the old version keeps serving, and the error is reported, when the new one
+does not load). Only the adapters the file brought are unloaded by it: ones loaded by
+``--lora-modules`` or HTTP are left alone.
 
 The file is ``[{"name": "sql", "path": "/adapters/sql"}, ...]`` (vLLM's ``--lora-modules``
 JSON shape); a missing or empty file means no adapters. A file that does not parse, or an
@@ -118,17 +120,16 @@ class LoraConfigWatcher:
         self._seen = text  # only once reconciled: a round that raised is tried again
 
     async def _reconcile(self, desired: dict[str, str]) -> None:
-        for name, path in list(self.managed.items()):
-            if desired.get(name) != path:
-                await unload_lora(self.state, name)
-                del self.managed[name]
+        for name in [n for n in self.managed if n not in desired]:
+            await unload_lora(self.state, name)
+            del self.managed[name]
         for name in [n for n in self.errors if n != FILE_ERROR and n not in desired]:
             del self.errors[name]
         for name, path in desired.items():
-            if name in self.managed:
+            if self.managed.get(name) == path:
                 continue
             try:
-                await load_lora(self.state, name, path)
+                await load_lora(self.state, name, path, replace=name in self.managed)
             except (LoraLoadError, LoraNameTaken) as exc:
                 self._failed(name, str(exc))
                 continue

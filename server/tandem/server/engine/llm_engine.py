@@ -447,11 +447,12 @@ class LLMEngine:
             raise LoraLoadError("LoRA is not enabled on this engine (--enable-lora)")
         return self.loras.read(name, path)
 
-    def add_lora(self, adapter: LoraAdapter) -> None:
-        """Serve ``adapter`` under its name (the engine thread)."""
+    def add_lora(self, adapter: LoraAdapter, replace: bool = False) -> None:
+        """Serve ``adapter`` under its name (the engine thread); ``replace``: in place of the
+        one served under it."""
         if self.loras is None:
             raise LoraLoadError("LoRA is not enabled on this engine (--enable-lora)")
-        self.loras.add(adapter)
+        self.loras.add(adapter, replace)
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving ``name``; its requests in flight finish through it."""

@@ -46,8 +46,11 @@ class LoraRegistry:
         """Read and check an adapter (any thread; nothing changes until ``add``)."""
         return load_adapter(name, path, self.model_config, self.max_rank)
 
-    def add(self, adapter: LoraAdapter) -> None:
-        if adapter.name in self._adapters:
+    def add(self, adapter: LoraAdapter, replace: bool = False) -> None:
+        """Serve ``adapter`` under its name; ``replace`` swaps out the one served under it in
+        one change of ``served`` (no moment without the name; requests holding the old one
+        finish through it)."""
+        if adapter.name in self._adapters and not replace:
             raise LoraLoadError(f"an adapter named {adapter.name!r} is already loaded")
         self._adapters[adapter.name] = adapter
         self.served = MappingProxyType({n: a.path for n, a in self._adapters.items()})

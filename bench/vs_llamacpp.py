@@ -36,6 +36,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT)]
+# tandem.server sets GOMP_SPINCOUNT as it is imported; the peer keeps the user's own
+USER_SPIN = os.environ.get("GOMP_SPINCOUNT")
 
 from bench.vllm_peer import CACHE, smollm2_dir  # noqa: E402
 from bench.vs_vllm import free_port, machine  # noqa: E402
@@ -90,8 +92,10 @@ class Server:
     def __init__(self, name: str, cmd: list[str], port: int, log: Path) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = log.open("w")
+        env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+        env |= {"GOMP_SPINCOUNT": USER_SPIN} if USER_SPIN is not None else {}
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
 
     def wait_ready(self, timeout: float = 600) -> None:

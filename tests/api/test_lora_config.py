@@ -127,6 +127,10 @@ def test_a_new_path_that_does_not_load_leaves_the_old_version_serving(
     want = peft_greedy(tiny_models["llama"], {"chat": loras["all-r8"]}, "chat", lora_prompt_ids, N)
     assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
 
+    project_config_map(volume, _config(chat=loras["all-r8"]))  # back to what is served
+    wait_until(lambda: _errors_metric(server) == 0, timeout=60, what="error cleared")
+    assert _health(server)["lora_config"]["errors"] == {}
+
 
 def test_broken_adapters_and_files_are_reported_and_the_rest_keeps_serving(
     server, client, volume, tiny_models, tiny_loras, lora_prompt_ids, tmp_path

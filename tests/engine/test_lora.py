@@ -249,7 +249,7 @@ def test_a_replaced_adapter_serves_new_requests_and_finishes_running_ones(case) 
     engine = llm.engine
     engine.add_lora(engine.read_lora("swap", str(loras["qv-r4"])))
     engine.add_request("old", ids[1], GREEDY, lora="swap")
-    engine.step()  # "old" holds qv-r4 from here on
+    engine.step()  # "old" was bound to qv-r4 when added; now it is running
     engine.add_lora(engine.read_lora("swap", str(loras["mlp-r16"])), replace=True)
     assert engine.served_loras["swap"] == str(loras["mlp-r16"])
     engine.add_request("new", ids[1], GREEDY, lora="swap")

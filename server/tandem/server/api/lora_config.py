@@ -126,7 +126,8 @@ class LoraConfigWatcher:
         for name in [n for n in self.errors if n != FILE_ERROR and n not in desired]:
             del self.errors[name]
         for name, path in desired.items():
-            if self.managed.get(name) == path:
+            if self.managed.get(name) == path:  # served as listed: a failed swap is undone
+                self.errors.pop(name, None)
                 continue
             try:
                 await load_lora(self.state, name, path, replace=name in self.managed)
@@ -138,9 +139,10 @@ class LoraConfigWatcher:
         self.state.metrics.lora_config_errors.set(len(self.errors))
 
     def _failed(self, name: str, message: str) -> None:
-        """Record why ``name`` (or the file) is not served; log it when the reason is new."""
+        """Record why ``name`` as listed (or the file) is not loaded; log it when the reason
+        is new. A swap that failed leaves the old version serving under the name."""
         if self.errors.get(name) != message:
-            log.warning("LoRA config: %s not served: %s", name or "the file", message)
+            log.warning("LoRA config: %s as listed not loaded: %s", name or "the file", message)
         self.errors[name] = message
         self.state.metrics.lora_config_errors.set(len(self.errors))
 

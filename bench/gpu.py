@@ -17,6 +17,10 @@ Per model it prints, each against a baseline or a limit measured in the same run
   * a decode step at batch 1, 8, 64 and 256 (``--decode-context`` tokens of context per row;
     CUDA graphs when on) against the physical floor: the bytes a step must read (weights, plus
     every row's KV) over the bandwidth of a large device-to-device copy;
+  * one sequence generated end to end (scheduler, sampler, detokenizer): ms a token against
+    the batch-1 floor;
+  * with ``--profile-batches``, the torch profiler's heaviest GPU kernels and host calls over
+    20 decode steps at each of those batches;
   * one prefill of ``--prefill-tokens`` tokens: tokens/s, and its FLOP rate against an
     8192 x 8192 x 8192 matrix product in the model's dtype.
 
@@ -147,6 +151,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def hold_clocks_up(device: torch.device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` before a timing. An idle H200 sits at 345 MHz; the
+    first figure after the model's load ran at a fraction of the chip's speed (Qwen3-0.6B's
+    batch-1 step timed first at 7.6 ms, then 1.8 ms a step under the profiler; the copy
+    bandwidth read 2.95-4.19 TB/s between runs)."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        sync(device)
+
+
 def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
     """Bytes/s of a large device-to-device copy (each copy reads and writes ``nbytes``)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
@@ -250,6 +269,50 @@ def decode_step_time(llm, batch: int, context: int, device: torch.device, iters:
         list(range(batch)),
     )  # fmt: skip
     return timed(lambda: runner.run(inputs), device, iters)
+
+
+def generate_token_time(llm, context: int, new: int, device: torch.device) -> float:
+    """Seconds per output token of one sequence generated end to end (scheduler, sampler and
+    detokenizer included): ``new`` tokens after a ``context``-token prompt, less the prefill."""
+    from tandem.server.engine import SamplingParams
+
+    prompt = [[11 + i % 1000 for i in range(context)]]
+    params = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
+
+    def run(p: SamplingParams) -> float:
+        start = time.perf_counter()
+        llm.generate(prompt, p)
+        sync(device)
+        return time.perf_counter() - start
+
+    run(params)  # warm-up
+    return (run(params) - run(params.clone(max_tokens=1))) / new
+
+
+def replay_time(llm, batch: int, iters: int) -> float | None:
+    """Seconds per replay of the captured graph that holds ``batch`` rows, alone: the GPU's
+    part of a decode step, without the host's inputs, plan, logits and sampling around it
+    (None when graphs are off)."""
+    from tandem.server.engine.model_runner import pick_graph_size
+
+    runner = llm.engine.worker.runner
+    if not runner.graph_sizes:
+        return None
+    graph = runner._graphs.graphs[pick_graph_size(batch, runner.graph_sizes)]
+    return timed(graph.replay, torch.device("cuda"), iters)
+
+
+def profile_decode(llm, batch: int, context: int, device: torch.device, steps: int) -> None:
+    """The profiler's 12 heaviest GPU kernels and host calls over ``steps`` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *gpu]) as prof:
+        decode_step_time(llm, batch, context, device, iters=steps)
+    table = prof.key_averages()
+    print(f"\n-- profile: batch {batch}, context {context}, {steps} steps")
+    print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(table.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def prefill_time(llm, tokens: int, device: torch.device, iters: int) -> float:
@@ -368,22 +431,35 @@ def transformers_baselines(hf, prompts, outputs, args, device) -> dict[str, floa
 
 
 def report_decode(llm, cfg: dict, args, device: torch.device, dtype: torch.dtype) -> None:
+    hold_clocks_up(device)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     weights, kv = step_bytes(llm.engine.worker.runner.model, cfg, args.decode_context, dtype)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     for batch in args.decode_batches:
         step = decode_step_time(llm, batch, args.decode_context, device, args.decode_iters)
         floor = (weights + batch * kv) / bandwidth
+        replay = replay_time(llm, batch, args.decode_iters) if device.type == "cuda" else None
         print(
             f"decode step, batch {batch:3d}, context {args.decode_context}: {step * 1e3:7.3f} ms; "
             f"floor {floor * 1e3:7.3f} ms ({weights / 1e9:.2f} GB weights + "
             f"{batch * kv / 1e9:.2f} GB KV); {floor / step:.2f} of the floor's speed; "
-            f"{batch / step:8.0f} tok/s",
+            f"{batch / step:8.0f} tok/s"
+            + (f"; the graph's replay alone {replay * 1e3:.3f} ms" if replay else ""),
             flush=True,
         )
+    per_token = generate_token_time(llm, args.decode_context, 128, device)
+    floor = (weights + kv) / bandwidth
+    print(
+        f"generate, one sequence, context {args.decode_context}: {per_token * 1e3:7.3f} ms a token "
+        f"end to end; {floor / per_token:.2f} of the floor's speed; {1 / per_token:6.0f} tok/s",
+        flush=True,
+    )
+    for batch in args.profile_batches:
+        profile_decode(llm, batch, args.decode_context, device, steps=20)
 
 
 def report_prefill(llm, cfg: dict, args, device: torch.device, dtype: torch.dtype) -> None:
+    hold_clocks_up(device)
     seconds = prefill_time(llm, args.prefill_tokens, device, iters=3)
     flops = prefill_flops(cfg, body_parameters(llm.engine.worker.runner.model), args.prefill_tokens)
     rate = matmul_rate(dtype, device, 8192 if device.type == "cuda" else 512)
@@ -471,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-context", type=int, default=None)
     parser.add_argument("--decode-iters", type=int, default=50)
     parser.add_argument("--bandwidth-bytes", type=int, default=None)
+    parser.add_argument(
+        "--profile-batches", type=int, nargs="*", default=[],
+        help="after the decode sweep, torch profiler tables of decode steps at these batches",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

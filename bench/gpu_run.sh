@@ -93,10 +93,6 @@ serving() {
   python3 bench/gpu_serve.py "$@"
 }
 
-profiling() {
-  python3 bench/gpu_profile.py "$@"
-}
-
 bench() {
   python3 bench/gpu.py "$@"
 }
@@ -123,10 +119,9 @@ for stage in "$@"; do
     serve) run_stage serve serve 240 ;;
     bench-small) run_stage bench-small bench 300 --models qwen3-0.6b ;;
     bench-8b) run_stage bench-8b bench 420 --models llama-3.1-8b ;;
-    steps-small) run_stage steps-small bench 200 --models qwen3-0.6b --steps-only ;;
-    steps-8b) run_stage steps-8b bench 300 --models llama-3.1-8b --steps-only ;;
+    steps-small) run_stage steps-small bench 200 --models qwen3-0.6b --steps-only --profile-batches 1 8 ;;
+    steps-8b) run_stage steps-8b bench 300 --models llama-3.1-8b --steps-only --profile-batches 1 8 ;;
     serving) run_stage serving serving 420 ;;
-    profile) run_stage profile profiling 300 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -36,8 +36,10 @@ def test_full_run_needs_cuda(bench, capsys) -> None:
 
 
 def test_smoke_run_on_cpu(bench, capsys) -> None:
-    assert bench.main(["--smoke", "--num-seqs", "3", "--max-len", "24", "--decode-iters", "2"]) == 0
+    argv = ["--smoke", "--num-seqs", "3", "--max-len", "24", "--decode-iters", "2"]
+    assert bench.main([*argv, "--profile-batches", "1"]) == 0
     out = capsys.readouterr().out
     for line in ("tandem ", "transformers generate", "x transformers generate", "of the floor's"):
         assert line in out
     assert "decode step, batch   1" in out and "prefill 64 tokens" in out
+    assert "generate, one sequence" in out and "-- profile: batch 1" in out and "Self CPU" in out

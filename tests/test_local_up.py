@@ -146,6 +146,20 @@ def test_spec_file_overrides_and_errors(tmp_path: Path, llama_dir) -> None:
         local.load_plan(up_args(file=str(tmp_path / "missing.yaml")))
 
 
+def test_engines_sharing_a_gpu_split_its_memory() -> None:
+    """Left at the default each engine on a shared GPU sizes its cache from 0.9 of it, and
+    the second to start runs out of memory (seen with one H200)."""
+    from tandem.server.engine.config import EngineConfig
+
+    default = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
+    assert local.GPU_MEMORY_UTILIZATION == default
+    one_gpu = {("prefill", 0): "0", ("decode", 0): "0"}
+    assert local.memory_shares(one_gpu) == {k: f"{default / 2:.3f}" for k in one_gpu}
+    assert local.memory_shares({("prefill", 0): "0", ("decode", 0): "1"}) == {}
+    three = {("prefill", 0): "0,1", ("decode", 0): "0", ("decode", 1): "1"}
+    assert local.memory_shares(three) == {k: f"{default / 2:.3f}" for k in three}
+
+
 def test_up_cli_error_exits_2(tmp_path: Path) -> None:
     f = _spec(tmp_path, model={"name": "m", "uri": "hf://org/repo"})
     r = subprocess.run(

@@ -50,6 +50,20 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_in_one_launch(dtype: torch.dtype) -> None:
+    norm = RMSNorm(1024, 1e-6).to("cuda", dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    x, residual = (torch.randn(37, 1024, device="cuda").to(dtype) * 3 for _ in range(2))
+    want_sum = x + residual  # rounded once, as torch's add rounds
+    want = norm.reference(want_sum)
+    got, got_sum = norm.add(x.clone(), residual.clone())
+    assert torch.equal(got_sum, want_sum)
+    assert rel_err(got, want) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     gate_up = torch.randn(37, 2 * 768, device="cuda").to(dtype)
     gate, up = gate_up.float().split(768, dim=-1)

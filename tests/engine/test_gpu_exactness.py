@@ -9,7 +9,9 @@ is within that logit error (a near-tie that 16-bit rounding may flip; after it t
 different texts and are not compared); log-probabilities of the shared steps are within
 that log-probability error. Each scenario (a batch in CUDA graphs, eager FlashInfer, the
 torch backend, chunked prefill, prefix-cache hits, preemption, ``n > 1``) must also keep
-most tokens: a run that parts at step 0 everywhere proves nothing.
+most tokens (half, or half as many as transformers' own 16-bit run keeps where that keeps
+fewer, as through a LoRA adapter on random weights): a run that parts at step 0 everywhere
+proves nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pytest
 import torch
 
 from tandem.server.engine import LLM, SamplingParams
+from tandem.server.engine.tiny_lora import TARGETS, TinyLoraSpec, make_tiny_lora
 
+from .test_spec_decode import Oracle, accepted_and_rejected, constant_costs
 from .utils import PROMPTS
 
 NEW_TOKENS = 16
@@ -46,16 +50,24 @@ class Case:
     ref: Reference  # transformers in float32
     tie: float  # logits: FACTOR x transformers' own 16-bit error
     logprob_tol: float
+    keep: float = 0.5  # the share of tokens a run must keep before its first near-tie
 
     def llm(self, **kw: object) -> LLM:
         kw = {"kv_cache_tokens": 16384, **kw}
         return LLM(str(self.model_dir), device="cuda", dtype=self.dtype, **kw)
 
 
-def _hf_reference(model_dir: Path, dtype: torch.dtype, prompt_ids: list[list[int]]) -> Reference:
+def _hf_reference(
+    model_dir: Path, dtype: torch.dtype, prompt_ids: list[list[int]], adapter: Path | None = None
+) -> Reference:
+    """transformers' greedy tokens and logits on the GPU; through PEFT when ``adapter`` is set."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).to("cuda", dtype).eval()
     tokens, logits = [], []
     with torch.no_grad():
         for ids in prompt_ids:
@@ -79,18 +91,38 @@ def leading_agreement(got: list[int], want: list[int]) -> int:
     return next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(want))
 
 
-def errors_against(ref: Reference, half: Reference) -> tuple[float, float]:
+def errors_against(ref: Reference, half: Reference) -> tuple[float, float, float]:
     """transformers' own 16-bit error against float32: the largest logit and log-probability
-    differences over the steps where both picked the same tokens."""
+    differences over the steps where both picked the same tokens, and the share of tokens
+    it keeps before it first parts from float32."""
     logit_err = logprob_err = 0.0
+    kept = 0
     for i, want in enumerate(ref.tokens):
         steps = leading_agreement(half.tokens[i], want)
+        kept += steps
         a, b = ref.logits[i][:steps], half.logits[i][:steps]
         if steps:
             logit_err = max(logit_err, (a - b).abs().max().item())
             lp = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs().max().item()
             logprob_err = max(logprob_err, lp)
-    return logit_err, logprob_err
+    return logit_err, logprob_err, kept / sum(map(len, ref.tokens))
+
+
+def _case(model_dir: Path, dtype: str, adapter: Path | None = None) -> Case:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = [tok.encode(p) for p in PROMPTS]
+    ref = _hf_reference(model_dir, torch.float32, prompt_ids, adapter)
+    logit_err, logprob_err, kept = errors_against(
+        ref, _hf_reference(model_dir, getattr(torch, dtype), prompt_ids, adapter)
+    )
+    print(
+        f"{model_dir.name} {dtype} adapter {adapter}: transformers' error against float32: "
+        f"logits {logit_err:.4f}, logprobs {logprob_err:.4f}, {kept:.0%} of tokens kept"
+    )
+    tol = FACTOR * logit_err, FACTOR * logprob_err
+    return Case(model_dir, dtype, prompt_ids, ref, *tol, keep=min(0.5, kept / FACTOR))
 
 
 @pytest.fixture(
@@ -100,19 +132,18 @@ def errors_against(ref: Reference, half: Reference) -> tuple[float, float]:
 )
 def case(request: pytest.FixtureRequest, gpu_models: dict[str, Path]) -> Case:
     arch, dtype = request.param
-    model_dir = gpu_models[arch]
-    from transformers import AutoTokenizer
+    return _case(gpu_models[arch], dtype)
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = [tok.encode(p) for p in PROMPTS]
-    ref = _hf_reference(model_dir, torch.float32, prompt_ids)
-    logit_err, logprob_err = errors_against(
-        ref, _hf_reference(model_dir, getattr(torch, dtype), prompt_ids)
-    )
-    print(
-        f"{arch} {dtype}: transformers' error against float32: logits {logit_err:.4f}, logprobs {logprob_err:.4f}"
-    )
-    return Case(model_dir, dtype, prompt_ids, ref, FACTOR * logit_err, FACTOR * logprob_err)
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def lora_case(
+    request: pytest.FixtureRequest, gpu_models: dict[str, Path], tmp_path_factory
+) -> tuple[Case, Case, Path]:
+    """The base model's case and an adapter's (every target module, rank 8), bfloat16."""
+    model_dir = gpu_models[request.param]
+    spec = TinyLoraSpec(rank=8, alpha=8, targets=TARGETS, seed=12)
+    adapter = make_tiny_lora(model_dir, tmp_path_factory.mktemp("gpu-lora") / "all-r8", spec)
+    return _case(model_dir, "bfloat16"), _case(model_dir, "bfloat16", adapter), adapter
 
 
 def shared_steps(case: Case, i: int, got: list[int]) -> int:
@@ -132,7 +163,7 @@ def _check(case: Case, outputs) -> float:
     """Tie-aware equality for every output; the share of tokens before the first near-tie."""
     kept = sum(shared_steps(case, i, out.token_ids) for i, out in enumerate(outputs))
     share = kept / (NEW_TOKENS * len(outputs))
-    assert share >= 0.5, f"only {share:.0%} of the tokens before the first near-tie"
+    assert share >= case.keep, f"only {share:.0%} of the tokens before the first near-tie"
     return share
 
 
@@ -204,3 +235,32 @@ def test_logprobs_match_transformers(case: Case) -> None:
         f"{case.dtype}: ours against float32: logprobs {worst:.4f} (bound {case.logprob_tol:.4f})"
     )
     assert worst <= case.logprob_tol
+
+
+def test_speculative_verification_matches_transformers(case: Case) -> None:
+    """Proposals verified in one forward (eager, several query rows a sequence) on the GPU:
+    float32's own continuation, spoiled now and then, so steps both accept and reject."""
+    llm = case.llm(speculative_method="ngram")
+    llm.engine.speculator.proposer = Oracle(case.prompt_ids, case.ref.tokens)
+    constant_costs(llm.engine)
+    _check(case, llm.generate(case.prompt_ids, GREEDY))
+    accepted, rejected = accepted_and_rejected(llm.engine)
+    assert accepted > 0 and rejected > 0
+    llm.engine.kv.pool.check_all_free()
+
+
+def test_a_lora_adapter_matches_peft_beside_the_base_model(lora_case) -> None:
+    """One batch mixing the base model (its decode steps in CUDA graphs when no adapter row
+    is in them) and an adapter (eager) against transformers and PEFT in float32."""
+    base, tuned, adapter = lora_case
+    moved = sum(a != b for a, b in zip(base.ref.tokens, tuned.ref.tokens))
+    assert moved >= len(PROMPTS) // 2, "the adapter hardly changes the reference"
+    llm = base.llm(lora_modules=(f"tuned={adapter}",))
+    n = len(base.prompt_ids)
+    outputs = llm.generate(base.prompt_ids * 2, GREEDY, lora=[None] * n + ["tuned"] * n)
+    _check(base, outputs[:n])
+    _check(tuned, outputs[n:])
+    only_base = llm.generate(base.prompt_ids, GREEDY)  # every decode step in a graph
+    assert llm.engine.worker.runner.graph_sizes
+    _check(base, only_base)
+    llm.engine.kv.pool.check_all_free()

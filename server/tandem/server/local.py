@@ -356,6 +356,7 @@ def build_children(
         )
     ]
     gpus = _gpu_plan(engines)
+    shares = memory_shares(gpus)
     lora_file = _lora_config(topology, log_dir)
     for r in engines:
         for i in range(r.replicas):
@@ -363,6 +364,8 @@ def build_children(
             if (devices := gpus.get((r.name, i))) is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
             args = [lora_file if a == topology.lora_config else a for a in r.args]
+            if (r.name, i) in shares and "--gpu-memory-utilization" not in args:
+                args += ["--gpu-memory-utilization", shares[(r.name, i)]]
             argv = [*exe, *args, "--host", HOST, "--proxy-url", proxy_url]
             log = log_dir / f"{r.name}-{i}.log"
             children.append(Child(f"{r.name}-{i}", r.role, argv, env, log, reserve_port(HOST)))
@@ -408,6 +411,28 @@ def _gpu_plan(engines: list[Any]) -> dict[tuple[str, int], str]:
             next_gpu += max(1, r.gpus)
             out[(r.name, i)] = ",".join(map(str, ids))
     return out
+
+
+# EngineConfig.gpu_memory_utilization's default (the supervisor does not import the engine).
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def memory_shares(gpus: dict[tuple[str, int], str]) -> dict[tuple[str, int], str]:
+    """``--gpu-memory-utilization`` for the replicas that share a GPU: the default share
+    split evenly among the engines on each one's busiest device, as two vLLM servers on one
+    GPU are told to. Each engine sizes its KV cache from its share of the whole device; left
+    at the default, the first to start takes nearly all of it and the other runs out of
+    memory capturing its graphs (``tandem up`` on one H200)."""
+    users: dict[str, int] = {}
+    for devices in gpus.values():
+        for d in devices.split(","):
+            users[d] = users.get(d, 0) + 1
+    shares = {}
+    for key, devices in gpus.items():
+        sharing = max(users[d] for d in devices.split(","))
+        if sharing > 1:
+            shares[key] = f"{GPU_MEMORY_UTILIZATION / sharing:.3f}"
+    return shares
 
 
 def stop_children(children: list[Child], grace: float) -> None:

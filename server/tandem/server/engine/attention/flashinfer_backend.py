@@ -174,7 +174,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         w.plan(
             meta.qo_indptr,
             meta.kv_indptr,
-            meta.kv_indices.to(self.device),
+            meta.kv_indices.to(self.device, non_blocking=True),
             meta.kv_last_page_len,
             self.num_qo_heads,
             self.num_kv_heads,
@@ -190,7 +190,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kw.update(_dtype_kwargs(wrapper.plan, self.dtype))
         wrapper.plan(
             meta.kv_indptr,
-            meta.kv_indices.to(self.device),
+            meta.kv_indices.to(self.device, non_blocking=True),
             meta.kv_last_page_len,
             self.num_qo_heads,
             self.num_kv_heads,

@@ -46,6 +46,15 @@ def _health(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/health", headers=server.headers, timeout=10).json()
 
 
+def _wait_served_from(client: openai.OpenAI, name: str, path: Path) -> None:
+    """Until the adapter ``name`` is served from ``path`` (its model card's ``root``)."""
+    wait_until(
+        lambda: client.models.retrieve(name).model_extra["root"] == str(path),
+        timeout=60,
+        what=f"{name} served from {path}",
+    )
+
+
 def _errors_metric(server: ServerProcess) -> float:
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
     return metric_value(text, "tandem:lora_config_errors")
@@ -100,11 +109,7 @@ def test_a_changed_path_reloads_the_adapter_under_its_name(
 ) -> None:
     loras = tiny_loras["llama"]
     project_config_map(volume, _config(chat=loras["ko-r2"]))
-    wait_until(
-        lambda: client.models.retrieve("chat").model_extra["root"] == str(loras["ko-r2"]),
-        timeout=60,
-        what="chat reloaded from its new path",
-    )
+    _wait_served_from(client, "chat", loras["ko-r2"])
     want = peft_greedy(tiny_models["llama"], {"chat": loras["ko-r2"]}, "chat", lora_prompt_ids, N)
     assert greedy_token_ids(client, "chat", lora_prompt_ids, N) == want
 
@@ -114,11 +119,7 @@ def test_a_new_path_that_does_not_load_leaves_the_old_version_serving(
 ) -> None:
     loras = tiny_loras["llama"]
     project_config_map(volume, _config(chat=loras["all-r8"]))
-    wait_until(
-        lambda: client.models.retrieve("chat").model_extra["root"] == str(loras["all-r8"]),
-        timeout=60,
-        what="chat served from all-r8",
-    )
+    _wait_served_from(client, "chat", loras["all-r8"])
     project_config_map(volume, _config(chat=tmp_path / "nowhere"))
     wait_until(
         lambda: "chat" in _health(server)["lora_config"]["errors"], timeout=60, what="reported"

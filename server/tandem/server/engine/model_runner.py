@@ -321,7 +321,8 @@ class ModelRunner:
             )
         else:
             hidden = self._eager(inputs)
-        pooled = hidden[self._index(inputs.hidden_rows)].float()
+        # a copy: rows in order are a view, and a decode chain's output buffer is reused
+        pooled = hidden[self._index(inputs.hidden_rows)].to(torch.float32, copy=True)
         if not compute_logits or not inputs.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32), pooled
         logits = self.model.compute_logits(hidden[self._index(inputs.logits_rows)]).float()

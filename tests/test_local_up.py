@@ -158,6 +158,11 @@ def test_engines_sharing_a_gpu_split_its_memory() -> None:
     assert local.memory_shares({("prefill", 0): "0", ("decode", 0): "1"}) == {}
     three = {("prefill", 0): "0,1", ("decode", 0): "0", ("decode", 1): "1"}
     assert local.memory_shares(three) == {k: f"{default / 2:.3f}" for k in three}
+    flag = "--gpu-memory-utilization"
+    assert local._with_share(["serve"], "0.450") == ["serve", flag, "0.450"]
+    for own in ([flag, "0.3"], [f"{flag}=0.3"]):  # the spec's own share wins
+        assert local._with_share(["serve", *own], "0.450") == ["serve", *own]
+    assert local._with_share(["serve"], None) == ["serve"]
 
 
 def test_up_cli_error_exits_2(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -364,8 +365,7 @@ def build_children(
             if (devices := gpus.get((r.name, i))) is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
             args = [lora_file if a == topology.lora_config else a for a in r.args]
-            if (r.name, i) in shares and "--gpu-memory-utilization" not in args:
-                args += ["--gpu-memory-utilization", shares[(r.name, i)]]
+            args = _with_share(args, shares.get((r.name, i)))
             argv = [*exe, *args, "--host", HOST, "--proxy-url", proxy_url]
             log = log_dir / f"{r.name}-{i}.log"
             children.append(Child(f"{r.name}-{i}", r.role, argv, env, log, reserve_port(HOST)))
@@ -423,16 +423,21 @@ def memory_shares(gpus: dict[tuple[str, int], str]) -> dict[tuple[str, int], str
     GPU are told to. Each engine sizes its KV cache from its share of the whole device; left
     at the default, the first to start takes nearly all of it and the other runs out of
     memory capturing its graphs (``tandem up`` on one H200)."""
-    users: dict[str, int] = {}
-    for devices in gpus.values():
-        for d in devices.split(","):
-            users[d] = users.get(d, 0) + 1
+    users = Counter(d for devices in gpus.values() for d in devices.split(","))
     shares = {}
     for key, devices in gpus.items():
         sharing = max(users[d] for d in devices.split(","))
         if sharing > 1:
             shares[key] = f"{GPU_MEMORY_UTILIZATION / sharing:.3f}"
     return shares
+
+
+def _with_share(args: list[str], share: str | None) -> list[str]:
+    """``args`` with ``--gpu-memory-utilization share`` for a replica that shares a GPU,
+    unless its spec set one (``--gpu-memory-utilization X`` or ``...=X``)."""
+    if share is None or any(a.split("=")[0] == "--gpu-memory-utilization" for a in args):
+        return args
+    return [*args, "--gpu-memory-utilization", share]
 
 
 def stop_children(children: list[Child], grace: float) -> None:

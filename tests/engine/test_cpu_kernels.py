@@ -236,3 +236,26 @@ def test_prefill_attention_with_scores_rising_key_by_key(dtype: torch.dtype, hea
     kernels.prefill_attention(q, k, v, head_dim**-0.5, out)
     tol = 2e-4 if dtype == torch.float32 else 2e-2  # float32: scores of 60 carry its rounding
     torch.testing.assert_close(out.double(), _causal_float64(q, k, v), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 97), (64, 49152), (5, 16), (2, 1)])
+def test_argmax_rows_is_torchs_max_without_the_float32_copy(
+    dtype: torch.dtype, rows: int, vocab: int
+) -> None:
+    """The first index of the largest value, ties included (bfloat16 holds many), and the
+    value as float32; a row with a NaN gives NaN, one with only -inf gives -inf."""
+    if not kernels.argmax_rows_for(torch.device("cpu"), dtype):
+        pytest.skip("argmax_rows needs AVX-512")
+    logits = _rand(rows, vocab, dtype=dtype).round()  # small integers: ties everywhere
+    if rows >= 3:
+        logits[1, vocab // 2] = float("nan")
+        logits[2].fill_(float("-inf"))
+    best, ids = kernels.argmax_rows(logits)
+    want_best, want_ids = logits.float().max(dim=-1)
+    assert best.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(best.isnan(), want_best.isnan())
+    plain = ~want_best.isnan() & want_best.isfinite()
+    assert torch.equal(best[plain], want_best[plain]) and torch.equal(ids[plain], want_ids[plain])
+    if rows >= 3:
+        assert best[2] == float("-inf")

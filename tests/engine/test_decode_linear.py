@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.server.engine import kernels
+from tandem.server.engine.kernels import library
 from tandem.server.engine.models.layers import DECODE_ROWS, Linear
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -108,3 +109,23 @@ def test_moving_the_weight_drops_the_copies(dtype) -> None:
     assert layer._decode is not None and layer._packed is not None
     layer.to_empty(device=torch.device("meta"))
     assert layer._decode is None and layer._packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, DECODE_ROWS])
+@pytest.mark.parametrize("inter, k", [(1536, 576), (64, 48)])
+def test_gate_up_with_silu_in_one_pass_is_the_two_passes_bits(
+    rows: int, inter: int, k: int
+) -> None:
+    """``tile_linear_silu`` (the decode chain's gate|up and SiLU * up on AMX tiles) writes
+    exactly what ``silu_and_mul`` makes of ``decode_linear``'s [gate | up]."""
+    need(torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    packed = kernels.decode_pack(w)
+    want = kernels.silu_and_mul(kernels.decode_linear(x, packed, 2 * inter, None))
+    got = torch.empty(rows, inter, dtype=torch.bfloat16)
+    library.load().tile_linear_silu(
+        x.data_ptr(), k, rows, k, packed.data_ptr(), inter, got.data_ptr(), inter, 2
+    )
+    assert torch.equal(got, want)

@@ -118,3 +118,19 @@ def test_a_row_that_overflows_at_its_temperature_fails_alone() -> None:
     out = sample(logits, reqs)
     assert out.token_ids[0] == int(logits[0].argmax()) and out.errors[0] is None
     assert out.token_ids[1] is None and out.errors[1].code == LOGITS_NOT_FINITE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_read_their_argmax_in_the_models_dtype(dtype: torch.dtype) -> None:
+    """A batch of greedy rows that ask for nothing else takes each row's first largest logit
+    straight from the logits as the model made them (no float32 copy): the token torch's
+    argmax of the float32 logits gives, ties included, and a NaN row fails alone."""
+    logits = (_logits(6) / 4).round().to(dtype)  # integers: several maxima in a row
+    logits[4, 11] = float("nan")
+    reqs = [_request(SamplingParams(temperature=0.0), seed=i) for i in range(6)]
+    out = sample(logits, reqs)
+    want = logits.float().argmax(dim=-1).tolist()
+    for i in (0, 1, 2, 3, 5):
+        assert out.token_ids[i] == want[i] and out.errors[i] is None
+    assert out.token_ids[4] is None and out.errors[4].code == LOGITS_NOT_FINITE
+    assert out.logprobs == [None] * 6

@@ -299,7 +299,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, compute_logits: bool = True) -> torch.Tensor:
-        """Forward one step; logits (float32) of ``inputs.logits_rows`` unless ``compute_logits`` is off."""
+        """Forward one step; logits (the model's dtype) of ``inputs.logits_rows`` unless
+        ``compute_logits`` is off."""
         return self.run_pooled(inputs, compute_logits)[0]
 
     @torch.inference_mode()
@@ -325,8 +326,7 @@ class ModelRunner:
         pooled = hidden[self._index(inputs.hidden_rows)].to(torch.float32, copy=True)
         if not compute_logits or not inputs.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32), pooled
-        logits = self.model.compute_logits(hidden[self._index(inputs.logits_rows)]).float()
-        return logits, pooled
+        return self.model.compute_logits(hidden[self._index(inputs.logits_rows)]), pooled
 
     def _build_chain(self) -> DecodeChain | None:
         """The CPU's counterpart of the decode graphs, where the model qualifies."""

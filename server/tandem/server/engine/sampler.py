@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .request import Request, TokenLogprob
 from .structured import apply_grammar_masks
 
@@ -47,22 +48,43 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-    """logits: [len(requests), vocab], float32; rows with a grammar are masked in place."""
-    apply_grammar_masks(logits, [r.sampling.grammar for r in requests])
-    raw_logprobs = _raw_logprobs(logits, requests)
-    processed = _process(logits, requests)
-    best, best_ids = processed.max(dim=-1)
+    """logits: [len(requests), vocab] in the model's dtype; where a row needs more than its
+    argmax they are taken in float32, and rows with a grammar are masked in place."""
+    processed = None
+    raw_logprobs: list[torch.Tensor | None] = [None] * len(requests)
+    if all(_argmax_only(r) for r in requests):
+        best, best_ids = _argmax(logits)
+    else:
+        logits = logits.float()
+        apply_grammar_masks(logits, [r.sampling.grammar for r in requests])
+        raw_logprobs = _raw_logprobs(logits, requests)
+        processed = _process(logits, requests)
+        best, best_ids = processed.max(dim=-1)
     # One sync for the batch; -1 marks a row whose maximum is not finite (max propagates NaN).
     tokens = torch.where(torch.isfinite(best), best_ids, -1).tolist()
     errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(tokens)]
     for i, req in enumerate(requests):
-        if errors[i] is None and not req.params.greedy:
+        if errors[i] is None and processed is not None and not req.params.greedy:
             tokens[i] = _draw(processed[i], req)
     logprobs = [
         None if lp is None or errors[i] else _chosen(lp, tokens[i], requests[i].params.logprobs)
         for i, lp in enumerate(raw_logprobs)
     ]
     return SamplerOutput([None if e else t for t, e in zip(tokens, errors)], logprobs, errors)
+
+
+def _argmax_only(req: Request) -> bool:
+    """Whether the row's token is its logits' argmax and nothing else is read from them."""
+    return stateless(req) and req.params.logprobs is None
+
+
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest logit (float32; NaN where the row holds one) and its first index,
+    read in the model's dtype: no float32 copy of the step's logits."""
+    if kernels.argmax_rows_for(logits.device, logits.dtype) and logits.stride(-1) == 1:
+        return kernels.argmax_rows(logits)
+    best, ids = logits.max(dim=-1)
+    return best.float(), ids
 
 
 def _row_error(best: float) -> RowError:

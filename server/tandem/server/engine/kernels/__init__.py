@@ -11,7 +11,8 @@ blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to
 block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c`` multiply a
 decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
 (float32); ``decode_chain.c`` runs every decoder layer of a
-small decode step in one call, chaining the others. ``kernels.h`` declares what they export,
+small decode step in one call, chaining the others; ``greedy.c`` is greedy sampling's argmax
+over the logits in the model's dtype. ``kernels.h`` declares what they export,
 ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
 typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
 16-bit CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot
@@ -24,6 +25,8 @@ from .ops import (
     QUANT_BLOCK_BYTES,
     QUANT_MAX_ROWS,
     add_rms_norm,
+    argmax_rows,
+    argmax_rows_for,
     cpu_kernels_for,
     decode_linear,
     decode_linear_for,
@@ -47,6 +50,8 @@ from .ops import (
 
 __all__ = [
     "add_rms_norm",
+    "argmax_rows",
+    "argmax_rows_for",
     "QUANT_BLOCK",
     "QUANT_BLOCK_BYTES",
     "QUANT_MAX_ROWS",

@@ -1,4 +1,4 @@
-/* What every kernel here shares: bfloat16 <-> float32 and a vectorisable exp. */
+/* What every kernel here shares: bfloat16 <-> float32, a vectorisable exp, and SiLU * up. */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -48,4 +48,11 @@ static inline float exp_approx(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return y * scale;
+}
+
+/* dtype(silu(g)) * up, the gated MLP's product before its rounding: silu as torch makes it
+ * (g / (1 + exp(-g))), rounded to the dtype. silu_mul and tile_linear_silu both use this, so
+ * the fused product's bits are the separate pass's. */
+static inline float silu_times(float g, float up, int bf16) {
+    return round_to(g / (1.0f + exp_approx(-g)), bf16) * up;
 }

@@ -7,7 +7,8 @@
  * bit for bit: RMSNorm, the q|k|v product (from GGUF blocks, or decode_linear's) plus bias,
  * rotary embedding in place, the new K/V written to their slots, paged attention (the pages
  * every row begins with attended once, merged with each row's own), the output projection
- * and the residual; RMSNorm, gate|up, SiLU * up, down and the residual. It takes the layouts
+ * and the residual; RMSNorm, gate|up, SiLU * up (one pass with gate|up on AMX tiles), down
+ * and the residual. It takes the layouts
  * kernels/ops.py documents for each kernel; the Python side (decode_chain.py) decides when a
  * step qualifies (decode only, few rows, every linear from blocks or packed for its dtype's
  * decode product, no adapter, no q/k norm).
@@ -24,6 +25,7 @@ typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64
                         int threads);
 /* Built only with AMX: where it is not, the Python side never asks for tiles. */
 #pragma weak tile_linear
+#pragma weak tile_linear_silu
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -131,8 +133,13 @@ static void mlp(const chain_layer *l, const chain_step *s, char *h, char *xn, ch
                 char *act, char *o) {
     const int bf16 = s->bf16, t = s->threads, n = s->rows, H = s->hidden, I = s->inter;
     rms_norm(h, xn, l->post_norm, n, H, H, s->eps, bf16, t);
-    product(l, s, GATE_UP, xn, H, gate_up, 2 * I, NULL);
-    silu_mul(gate_up, act, n, I, bf16, t);
+    if (l->decode_linears && bf16 && I % 32 == 0) { /* gate|up and SiLU * up in one pass */
+        tile_linear_silu((const uint16_t *)xn, H, n, H, (const uint16_t *)l->blocks[GATE_UP], I,
+                         (uint16_t *)act, I, t);
+    } else {
+        product(l, s, GATE_UP, xn, H, gate_up, 2 * I, NULL);
+        silu_mul(gate_up, act, n, I, bf16, t);
+    }
     product(l, s, DOWN, act, I, o, H, NULL);
     add_rows(h, o, (int64_t)n * H, bf16);
 }

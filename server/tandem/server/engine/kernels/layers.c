@@ -63,10 +63,8 @@ void add_rms_norm(const void *x, const void *residual, void *sum, void *out, con
 
 INLINE void silu_mul_row(const void *restrict g, const void *restrict u, void *restrict out,
                          int n, const int bf16) {
-    for (int i = 0; i < n; i++) {
-        float v = load(g, i, bf16);
-        store(out, i, round_to(v / (1.0f + exp_approx(-v)), bf16) * load(u, i, bf16), bf16);
-    }
+    for (int i = 0; i < n; i++)
+        store(out, i, silu_times(load(g, i, bf16), load(u, i, bf16), bf16), bf16);
 }
 
 /* out[r, i] = dtype(silu(gate[r, i])) * up[r, i], gate_up = [gate | up] per row. */

@@ -35,6 +35,7 @@ SOURCES = [
         "decode_chain.c",
         "tile_linear.c",
         "panel_linear.c",
+        "greedy.c",
     )
 ]
 HEADERS = [
@@ -76,11 +77,15 @@ SIGNATURES = {
     "tile_pack": [_P, _I, _I, _P],
     # x, x_stride, m, k, packed, n, bias (or NULL), out, out_stride, threads
     "tile_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
+    # x, x_stride, m, k, packed gate|up, inter, out, out_stride, threads
+    "tile_linear_silu": [_P, _I64, _I, _I, _P, _I, _P, _I64, _I],
     "tile_linear_tiles": [],  # returns an int: RESULTS
     # w, n, k, out
     "panel_pack": [_P, _I, _I, _P],
     # x, x_stride, m, k, packed, n, bias (or NULL), out, out_stride, threads
     "panel_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
+    # logits, stride, rows, vocab, bf16, threads, best, ids
+    "argmax_rows": [_P, _I64, _I, _I, _I, _I, _P, _P],
 }
 
 RESULTS = {
@@ -106,7 +111,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
-            # AVX-512 only (panel_* too); tile_*: AMX only
+            # AVX-512 only (panel_*, argmax_rows too); tile_*: AMX only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib

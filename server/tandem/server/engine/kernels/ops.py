@@ -243,6 +243,31 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``argmax_rows`` can read logits like these (it needs AVX-512)."""
+    return cpu_kernels_for(device, dtype) and hasattr(library.load(), "argmax_rows")
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.float().max(dim=-1)`` of ``[N, vocab]`` logits (rows contiguous) without the
+    copy: each row's largest value as float32 (NaN where the row holds one) and the first
+    index of it (int64)."""
+    rows, vocab = logits.shape
+    best = torch.empty(rows, dtype=torch.float32)
+    ids = torch.empty(rows, dtype=torch.int64)
+    library.load().argmax_rows(
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        vocab,
+        DTYPES[logits.dtype],
+        torch.get_num_threads(),
+        best.data_ptr(),
+        ids.data_ptr(),
+    )
+    return best, ids
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[T, heads, D]``, heads contiguous within a token) in place by the step's
     tables (``[T, 1, rotary_dim]``, contiguous, x's dtype); returns ``x``."""

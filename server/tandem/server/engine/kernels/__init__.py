@@ -1,6 +1,7 @@
 """C kernels for the CPU path, built once per machine and called through ctypes.
 
-``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only),
+``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only;
+bfloat16 q.k in AMX tiles where the CPU has them),
 with ``merge_attention`` weighing a row's own pages against pages shared with other rows;
 ``prefill_attention.c`` a prompt's causal attention (AVX-512; bfloat16 with AVX512-BF16, in
 AMX tiles where the CPU has them) and ``shared_attention``, the pages every decode of a step

@@ -6,13 +6,18 @@
  * lane-wise, and the 16 partial vectors are reduced together by a transposing butterfly (15
  * shuffle-and-add steps for 16 tokens instead of 4 per token). The values are then summed into
  * accumulators that stay in registers for the common (group, head_dim) pairs, for which the
- * body below is inlined with both known. Its reference is the torch backend's gather + bmm
- * path (tests/test_torch_attention.py).
+ * body below is inlined with both known. On a CPU with AMX, bfloat16 q.k for head dims 64
+ * and 128 is instead a tile product per page of 16 tokens (K straight from the page times the
+ * group's queries as pairs of dimensions): the default model's decode attention at 64 rows
+ * of 228 tokens, 30 layers' cache cold, two threads, alternating in one process, 24.3 -> 21.1
+ * ms (1 row of 300: 1.19 -> 1.03; 16 rows of 900: 30.9 -> 26.5). Its reference is the torch
+ * backend's gather + bmm path (tests/test_torch_attention.py).
  */
 #ifdef __AVX512F__
 #include <immintrin.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "convert.h"
 #include "kernels.h"
 #include "vector16.h"
@@ -71,6 +76,56 @@ INLINE const char *next_row(Rows *r) {
     return row;
 }
 
+/* The first of the next TILE rows of r (one page holds them all: block_size a multiple of
+ * TILE), r moved past them. */
+INLINE const char *next_tile(Rows *r) {
+    const char *row = r->base + r->table[r->page] * r->page_bytes + r->slot * r->token_bytes;
+    if ((r->slot += TILE) == r->block_size) r->slot = 0, r->page++;
+    return row;
+}
+
+#if HAVE_AMX
+/* bfloat16 q.k of TILE tokens on AMX tiles: scores^T [token][query head] = K [token][32 dims]
+ * (tiles 0 and 1 in turn, loaded from the page, rows token_bytes apart) times the group's
+ * queries as pairs of dimensions (tiles 2-5, one per 32 dims, made once per (sequence, KV
+ * head) by query_tiles), summed in tile 7 and stored to c (16 x 16 floats): column g is
+ * query head g's TILE scores. A score's pairs are summed in another order than dot_pairs'
+ * lanes and butterfly sum them: the same products, float32 sums. */
+INLINE void tile_scores(const char *row, int64_t token_bytes, const int chunks, float *c) {
+    _tile_zero(7);
+    _tile_loadd(0, row, token_bytes);
+    _tile_dpbf16ps(7, 0, 2);
+    _tile_loadd(1, row + 64, token_bytes);
+    _tile_dpbf16ps(7, 1, 3);
+    if (chunks > 4) {
+        _tile_loadd(0, row + 128, token_bytes);
+        _tile_dpbf16ps(7, 0, 4);
+        _tile_loadd(1, row + 192, token_bytes);
+        _tile_dpbf16ps(7, 1, 5);
+    }
+    _tile_stored(7, c, 64);
+}
+
+/* The group's query heads (bfloat16, dim apart) as tile_scores' right-hand tiles 2.. (head
+ * dims 64 or 128): row r of tile t holds, in column g, dimensions 32t + 2r and 32t + 2r + 1
+ * of head g; columns past the group are zero. b: 4 KB of scratch, 64-byte aligned. */
+INLINE void query_tiles(const uint16_t *q, const int group, const int chunks, uint16_t *b) {
+    memset(b, 0, 1024 * (chunks / 2));
+    for (int t = 0; t < chunks / 2; t++)
+        for (int r = 0; r < 16; r++)
+            for (int g = 0; g < group; g++) {
+                const uint16_t *d = q + g * chunks * 16 + 32 * t + 2 * r;
+                b[512 * t + r * 32 + 2 * g] = d[0], b[512 * t + r * 32 + 2 * g + 1] = d[1];
+            }
+    _tile_loadd(2, b, 64);
+    _tile_loadd(3, b + 512, 64);
+    if (chunks > 4) {
+        _tile_loadd(4, b + 1024, 64);
+        _tile_loadd(5, b + 1536, 64);
+    }
+}
+#endif
+
 /* The next row of r into L2 (AHEAD), its `bytes` a line at a time. */
 INLINE void prefetch_row(Rows *r, int bytes) {
     const char *row = next_row(r);
@@ -81,7 +136,7 @@ INLINE void prefetch_row(Rows *r, int bytes) {
  * cached tokens. scores: group rows of `stride` (len rounded up to TILE) floats. */
 INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
                    const int chunks, float scale, const int bf16, float *scores, int stride,
-                   float *lse) {
+                   float *lse, float *tiles) {
     const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
     /* bfloat16 with AVX512-BF16: q.k from the cache's own bits, 32 products an instruction */
     const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0;
@@ -96,6 +151,9 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
             for (int c = 0; c < chunks; c++)
                 qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
     }
+#if HAVE_AMX
+    if (tiles) query_tiles((const uint16_t *)q, group, chunks, (uint16_t *)(tiles + 256));
+#endif
     const int row_bytes = (int)(dim * elem);
     Rows keys_ahead = keys, values_ahead = values;
     for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&keys_ahead, row_bytes);
@@ -104,6 +162,20 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
         for (int t = t0 + AHEAD; t < t0 + AHEAD + TILE && t < len; t++)
             prefetch_row(&keys_ahead, row_bytes);
         __mmask16 real = (__mmask16)((1u << n) - 1);
+#if HAVE_AMX
+        if (tiles) {
+            tile_scores(next_tile(&keys), keys.token_bytes, chunks, tiles);
+            const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144,
+                                                      160, 176, 192, 208, 224, 240);
+            for (int g = 0; g < group; g++) {
+                __m512 s = _mm512_mul_ps(_mm512_i32gather_ps(column, tiles + g, 4), _mm512_set1_ps(scale));
+                s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), s);
+                _mm512_storeu_ps(scores + g * stride + t0, s);
+                maxv[g] = _mm512_max_ps(maxv[g], s);
+            }
+            continue;
+        }
+#endif
         __m512 k[TILE][MAX_CHUNKS];
         __m512i kb[TILE][MAX_CHUNKS / 2];
         for (int i = 0; i < n; i++) {
@@ -160,17 +232,20 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
 
 #define SHAPE(G, C)                                                                           \
     if (group == G && chunks == C)                                                            \
-        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride, lse)  \
-                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride, lse);
+        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride, lse,  \
+                             tiles)                                                           \
+                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride, lse,  \
+                             NULL);
 
 static void attend_any(const char *q, Rows keys, Rows values, char *out, int len, int group,
-                       int chunks, float scale, int bf16, float *scores, int stride, float *lse) {
+                       int chunks, float scale, int bf16, float *scores, int stride, float *lse,
+                       float *tiles) {
     SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
     SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
     if (bf16)
-        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride, lse);
+        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride, lse, tiles);
     else
-        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride, lse);
+        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride, lse, NULL);
 }
 
 /* q, out: [B, H, D], a sequence's heads contiguous, sequences q_stride and out_stride elements
@@ -189,9 +264,14 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
      * a whole scheduler timeslice (7 ms a call measured, against 55 us on one thread), so a
      * step with little to read stays on this thread. */
     int parallel = (int64_t)batch * kv_heads * max_len * dim > PARALLEL_READ;
+    /* q.k on AMX tiles: bfloat16, head dims 64 or 128, whole pages of TILE tokens */
+    const int tiles = bf16 && HAVE_AMX && (dim == 64 || dim == 128) && block_size % TILE == 0 &&
+                      amx_permitted();
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         float *scores = malloc(sizeof(float) * (size_t)MAX_GROUP * stride);
+        float *scratch = tiles ? aligned_alloc(64, 1024 + 4096) : NULL; /* scores^T, queries */
+        if (tiles) amx_configure();
 #pragma omp for schedule(dynamic)
         for (int item = 0; item < batch * kv_heads; item++) {
             int b = item / kv_heads, h = item % kv_heads;
@@ -207,9 +287,12 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
                 attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
                            (char *)out + (b * out_stride + head) * elem, lens[b], part,
                            dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE,
-                           lse ? lse + 2 * ((int64_t)b * heads + h * group + g0) : NULL);
+                           lse ? lse + 2 * ((int64_t)b * heads + h * group + g0) : NULL,
+                           scratch);
             }
         }
+        if (tiles) _tile_release();
+        free(scratch);
         free(scores);
     }
 }

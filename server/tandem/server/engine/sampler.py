@@ -50,7 +50,7 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """logits: [len(requests), vocab] in the model's dtype; where a row needs more than its
     argmax they are taken in float32, and rows with a grammar are masked in place."""
-    processed = None
+    processed = logits  # every row greedy: nothing is drawn from it
     raw_logprobs: list[torch.Tensor | None] = [None] * len(requests)
     if all(_argmax_only(r) for r in requests):
         best, best_ids = _argmax(logits)
@@ -64,7 +64,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     tokens = torch.where(torch.isfinite(best), best_ids, -1).tolist()
     errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(tokens)]
     for i, req in enumerate(requests):
-        if errors[i] is None and processed is not None and not req.params.greedy:
+        if errors[i] is None and not req.params.greedy:
             tokens[i] = _draw(processed[i], req)
     logprobs = [
         None if lp is None or errors[i] else _chosen(lp, tokens[i], requests[i].params.logprobs)

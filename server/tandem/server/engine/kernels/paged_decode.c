@@ -70,8 +70,12 @@ typedef struct {
     int64_t page_bytes, token_bytes;
 } Rows;
 
+INLINE const char *row_at(const Rows *r) {
+    return r->base + r->table[r->page] * r->page_bytes + r->slot * r->token_bytes;
+}
+
 INLINE const char *next_row(Rows *r) {
-    const char *row = r->base + r->table[r->page] * r->page_bytes + r->slot * r->token_bytes;
+    const char *row = row_at(r);
     if (++r->slot == r->block_size) r->slot = 0, r->page++;
     return row;
 }
@@ -79,7 +83,7 @@ INLINE const char *next_row(Rows *r) {
 /* The first of the next TILE rows of r (one page holds them all: block_size a multiple of
  * TILE), r moved past them. */
 INLINE const char *next_tile(Rows *r) {
-    const char *row = r->base + r->table[r->page] * r->page_bytes + r->slot * r->token_bytes;
+    const char *row = row_at(r);
     if ((r->slot += TILE) == r->block_size) r->slot = 0, r->page++;
     return row;
 }

@@ -16,7 +16,7 @@ serving pod's normal state: event loop, tokenizer, sidecars), both sides under t
 Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
 ``--backend openai``, random dataset, input 256, output 128, ``--ignore-eos``, at each
-concurrency; output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of
+concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of
 the client's wall time that the engine did not spend inside ``engine.step()``.
 
     python bench/vs_vllm.py [--quick] [--cotenant -1] [--repeats 2]
@@ -344,6 +344,12 @@ class Server:
             self.proc.wait()
 
 
+def prompts_for(conc: int) -> int:
+    """Four rounds of requests per concurrency (at least eight): with two (four prompts at c=1,
+    eight at c=4) one slow request moved a row's ratio by a fifth between runs."""
+    return max(8, 4 * conc)
+
+
 def bench_serve(
     peer_bin: Path, server: Server, model: str, backend: str, conc: int, out: Path
 ) -> dict:
@@ -375,7 +381,7 @@ def bench_serve(
         "--max-concurrency",
         str(conc),
         "--num-prompts",
-        str(max(4, 2 * conc)),
+        str(prompts_for(conc)),
         "--percentile-metrics",
         "ttft,tpot,itl",
         "--metric-percentiles",

@@ -9,7 +9,8 @@ reset between runs, so only a run's own shared prefix hits). The two sides alter
 run and each keeps its best time: on a shared, noisy machine only the ratio means anything,
 so the load average is printed beside it, and so is the ratio of CPU seconds (each side's
 process tree, user + system), which a core shared with other work does not distort the way it
-does wall time (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
+does wall time, and the machine's steal time during each run (a virtual machine's CPUs
+taken by its host) (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
 ``--cotenant -1`` runs everything beside one busy process per CPU at normal priority (a
 serving pod's normal state: event loop, tokenizer, sidecars), both sides under the same load.
 
@@ -195,14 +196,16 @@ class Child:
                 return
         raise RuntimeError(f"the {side} child exited before it was ready")
 
-    def run(self, workload: Workload) -> tuple[float, float, int]:
-        """Wall seconds, CPU seconds and output tokens of one run of the workload."""
+    def run(self, workload: Workload) -> tuple[float, float, int, float]:
+        """Wall seconds, CPU seconds, output tokens and the machine's steal seconds of one run
+        of the workload."""
+        steal = steal_seconds()
         self.proc.stdin.write(f"{workload.name}\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("{"):
                 out = json.loads(line)
-                return out["seconds"], out["cpu"], out["tokens"]
+                return out["seconds"], out["cpu"], out["tokens"], steal_seconds() - steal
         raise RuntimeError(f"the {self.side} child died")
 
     def close(self) -> None:
@@ -233,6 +236,14 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to others while this machine's CPUs wanted it, all CPUs
+    together (``/proc/stat``'s steal; 0 on bare metal): a run's wall time grows by it while
+    its CPU time does not."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def offline(
     peer: str | None, model: str, dtypes: list[str], repeats: int, workloads: list[Workload]
 ) -> list[tuple[str, float]]:
@@ -255,18 +266,21 @@ def _offline_row(
     """One workload on both sides, alternating run by run, each keeping its best time."""
     times: dict[str, list[float]] = {s: [] for s in sides}
     cpus: dict[str, list[float]] = {s: [] for s in sides}
+    steals: dict[str, list[float]] = {s: [] for s in sides}
     tokens, loads = 0, []
     for r in range(repeats):
         for s in list(sides) if r % 2 == 0 else list(reversed(sides)):
-            t, cpu, tokens = sides[s].run(w)
+            t, cpu, tokens, steal = sides[s].run(w)
             times[s].append(t)
             cpus[s].append(cpu)
+            steals[s].append(steal)
         loads.append(load())
     label = f"offline {dtype:8s} {w.name}"
     best = {s: min(v) for s, v in times.items()}
     runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in times.items())
     cpu_runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in cpus.items())
-    print(f"{label}: runs (s) {runs}; CPU (s) {cpu_runs}; load {loads}")
+    steal_runs = ", ".join(f"{s} {[round(t, 2) for t in v]}" for s, v in steals.items())
+    print(f"{label}: runs (s) {runs}; CPU (s) {cpu_runs}; steal (s) {steal_runs}; load {loads}")
     line = f"{label}: tandem {tokens / best['tandem']:7.1f} tok/s"
     if "vllm" not in best:
         print(line, flush=True)

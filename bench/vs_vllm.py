@@ -9,16 +9,17 @@ reset between runs, so only a run's own shared prefix hits). The two sides alter
 run and each keeps its best time: on a shared, noisy machine only the ratio means anything,
 so the load average is printed beside it, and so is the ratio of CPU seconds (each side's
 process tree, user + system), which a core shared with other work does not distort the way it
-does wall time, and the machine's steal time during each run (a virtual machine's CPUs
-taken by its host) (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not).
+does wall time (vLLM's workers pin themselves to the run's CPUs; Tandem's thread does not),
+and the machine's steal time during each run (a virtual machine's CPUs taken by its host).
 ``--cotenant -1`` runs everything beside one busy process per CPU at normal priority (a
 serving pod's normal state: event loop, tokenizer, sidecars), both sides under the same load.
 
 Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
 ``--backend openai``, random dataset, input 256, output 128, ``--ignore-eos``, at each
-concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of
-the client's wall time that the engine did not spend inside ``engine.step()``.
+concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's
+server overhead: the share of the client's wall time that the engine did not spend inside
+``engine.step()``.
 
     python bench/vs_vllm.py [--quick] [--cotenant -1] [--repeats 2]
            [--dtypes float32,bfloat16] [--no-serving] [--no-offline] [--concurrency 1,4,16,32]

@@ -134,3 +134,44 @@ def test_greedy_rows_read_their_argmax_in_the_models_dtype(dtype: torch.dtype) -
         assert out.token_ids[i] == want[i] and out.errors[i] is None
     assert out.token_ids[4] is None and out.errors[4].code == LOGITS_NOT_FINITE
     assert out.logprobs == [None] * 6
+
+
+MIXED = [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=0.8, top_k=5),
+    dict(temperature=1.3, min_p=0.05),
+    dict(temperature=0.9, top_k=20, top_p=0.5, min_p=0.01),
+    dict(temperature=1.0, presence_penalty=1.5, top_p=0.95),
+]
+
+
+def test_rows_drawn_together_draw_what_each_draws_alone() -> None:
+    """The batch's draws run as one op per stage over all rows (sampler._draw); a row's
+    token still depends on its own logits, parameters and generator alone."""
+    logits = _logits(len(MIXED), seed=5)
+    for seed in range(6):
+        reqs = [_request(SamplingParams(**p), seed * 10 + i, [9, 9]) for i, p in enumerate(MIXED)]
+        together = sample(logits.clone(), reqs).token_ids
+        alone = [
+            sample(
+                logits[i : i + 1].clone(), [_request(SamplingParams(**p), seed * 10 + i, [9, 9])]
+            )
+            for i, p in enumerate(MIXED)
+        ]
+        assert together == [a.token_ids[0] for a in alone]
+
+
+def test_top_p_keeps_the_fewest_likeliest_tokens_whose_predecessors_stay_within_it() -> None:
+    """Probabilities 0.4, 0.25, 0.25, 0.1 (rest ~0) with top_p 0.5: the first is kept (nothing
+    before it), the second (0.4 before it) too, and the third, as likely as the second, is
+    kept with it; the fourth (0.9 before it) never comes."""
+    probs = torch.full((VOCAB,), 1e-12)
+    probs[[7, 3, 11, 5]] = torch.tensor([0.4, 0.25, 0.25, 0.1])
+    logits = probs.log().unsqueeze(0)
+    drawn = {
+        sample(logits.clone(), [_request(SamplingParams(top_p=0.5), seed)]).token_ids[0]
+        for seed in range(200)
+    }
+    assert drawn == {7, 3, 11}

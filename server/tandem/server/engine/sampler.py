@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -63,9 +64,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     # One sync for the batch; -1 marks a row whose maximum is not finite (max propagates NaN).
     tokens = torch.where(torch.isfinite(best), best_ids, -1).tolist()
     errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(tokens)]
-    for i, req in enumerate(requests):
-        if errors[i] is None and not req.params.greedy:
-            tokens[i] = _draw(processed[i], req)
+    drawn = [i for i, req in enumerate(requests) if errors[i] is None and not req.params.greedy]
+    if drawn:
+        for i, token in zip(drawn, _draw(processed, drawn, [requests[i] for i in drawn])):
+            tokens[i] = token
     logprobs = [
         None if lp is None or errors[i] else _chosen(lp, tokens[i], requests[i].params.logprobs)
         for i, lp in enumerate(raw_logprobs)
@@ -121,14 +123,29 @@ def _chosen(logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
 
 def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The logits each row picks from: a copy when any row changes (the raw logits give the
-    logprobs), so an all-greedy batch without penalties costs nothing here."""
+    logprobs), so an all-greedy batch without penalties costs nothing here. The drawn rows
+    are divided by their temperatures together (one op for the batch, not one per row)."""
     changes = [i for i, r in enumerate(requests) if _changes(r)]
     if not changes:
         return logits
     logits = logits.clone()
     for i in changes:
-        logits[i] = _process_row(logits[i], requests[i])
+        if _adjusts(requests[i]):
+            logits[i] = _adjust_row(logits[i], requests[i])
+    drawn = [i for i in changes if not requests[i].params.greedy]
+    if drawn:
+        # scaled here, so the batch's one finiteness check covers the draw's rows
+        temps = _per_row([_clamp(requests[i].params.temperature) for i in drawn], logits)
+        if len(drawn) == logits.shape[0]:
+            logits.div_(temps)
+        else:
+            logits[drawn] = logits[drawn] / temps
     return logits
+
+
+def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A column of one value a row, in ``like``'s dtype and device, to broadcast over rows."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
 
 def stateless(req: Request) -> bool:
@@ -139,16 +156,17 @@ def stateless(req: Request) -> bool:
 
 
 def _changes(req: Request) -> bool:
+    return not req.params.greedy or _adjusts(req)
+
+
+def _adjusts(req: Request) -> bool:
+    """Whether the row's logits are changed before any temperature: penalties, a logit bias,
+    or end-of-sequence tokens banned until ``min_tokens``."""
     p = req.params
-    return (
-        not p.greedy
-        or p.has_penalties
-        or bool(p.logit_bias)
-        or len(req.output_token_ids) < p.min_tokens
-    )
+    return p.has_penalties or bool(p.logit_bias) or len(req.output_token_ids) < p.min_tokens
 
 
-def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
+def _adjust_row(row: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
     vocab = row.shape[0]
     if p.has_penalties:
@@ -174,8 +192,6 @@ def _process_row(row: torch.Tensor, req: Request) -> torch.Tensor:
             t for t in (set(req.sampling.eos_token_ids) | set(p.stop_token_ids)) if 0 <= t < vocab
         ]
         row[banned] = float("-inf")
-    if not p.greedy:  # scaled here, so the batch's one finiteness check covers the draw's row
-        row = row / _clamp(p.temperature)
     return row
 
 
@@ -183,26 +199,58 @@ def _clamp(factor: float) -> float:
     return min(max(factor, MIN_FACTOR), MAX_FACTOR)
 
 
-def _draw(row: torch.Tensor, req: Request) -> int:
-    """A token from ``row`` (already divided by the temperature, with a finite maximum)."""
-    p = req.params
-    if p.top_k > 0 and p.top_k < row.shape[0]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cum = sorted_probs.cumsum(0)
-        drop_sorted = (cum - sorted_probs) > p.top_p
-        drop_sorted[0] = False
-        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(
-        torch.searchsorted(
-            _cdf(probs), draw_uniform(req.sampling.generator, probs.device), right=True
-        )
-    )
+def _draw(processed: torch.Tensor, rows: list[int], requests: list[Request]) -> list[int]:
+    """A token for each of ``rows`` of ``processed`` (divided by their temperatures, each with
+    a finite maximum), ``requests`` theirs: top-k, top-p and min-p, then one uniform from each
+    request's generator. The batch's rows go through each op together: row by row, a 32-row
+    step's draws took ~11 ms on two cores (top-p's sort ~125 ms), as long as a decode step."""
+    logits = processed if len(rows) == processed.shape[0] else processed[rows]
+    logits = _top_k(logits, [r.params.top_k for r in requests])
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [r.params.top_p for r in requests]
+    if min(top_p) < 1.0:
+        probs = probs.masked_fill(probs < _top_p_floor(probs, top_p), 0.0)
+    min_p = [r.params.min_p for r in requests]
+    if max(min_p) > 0.0:
+        probs = probs.masked_fill(probs < _per_row(min_p, probs) * probs.amax(1, True), 0.0)
+    uniforms = torch.cat([draw_uniform(r.sampling.generator, probs.device) for r in requests])
+    return torch.searchsorted(_cdf(probs), uniforms.unsqueeze(1), right=True).squeeze(1).tolist()
+
+
+def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Each row's logits below its ``top_k``-th largest masked (-inf); a row with no top-k
+    (``-1``, or the whole vocabulary) keeps them all."""
+    vocab = logits.shape[1]
+    ks = [k for k in top_k if 0 < k < vocab]
+    if not ks:
+        return logits
+    largest = torch.topk(logits, max(ks), dim=-1).values  # sorted, largest first
+    at = [k - 1 if 0 < k < vocab else 0 for k in top_k]
+    kth = largest.gather(1, torch.tensor(at, device=logits.device).unsqueeze(1))
+    kth[[i for i, k in enumerate(top_k) if not 0 < k < vocab]] = float("-inf")
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Each row's smallest probability that top-p keeps: the largest probabilities are kept
+    while the ones before them sum to at most ``top_p`` (the first always), and a token as
+    likely as the last one kept is kept too (no tie broken by a sort's order). A row with
+    ``top_p`` 1 keeps everything (floor 0)."""
+    ordered = _descending(probs)
+    before = ordered.cumsum(1) - ordered
+    drop = before > _per_row(top_p, probs)
+    drop[:, 0] = False
+    kept = torch.where(drop.any(1), drop.int().argmax(1), probs.shape[1])
+    floor = ordered.gather(1, (kept - 1).unsqueeze(1))
+    return torch.where(_per_row(top_p, probs) < 1.0, floor, torch.zeros_like(floor))
+
+
+def _descending(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first: on CPU numpy's vectorised sort (torch's sort took
+    ~2.4 ms a row of 49k tokens on two cores, numpy's ~0.2)."""
+    if probs.device.type == "cpu":
+        return torch.from_numpy(-np.sort(-probs.numpy(), axis=-1))
+    return probs.sort(dim=-1, descending=True).values
 
 
 def draw_uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -215,5 +263,5 @@ def _cdf(probs: torch.Tensor) -> torch.Tensor:
     it (``searchsorted(right=True)``), so a zero-probability token (equal neighbours) is never
     drawn and the last entry is exactly 1. One uniform per token instead of one exponential per
     vocabulary entry (which took 0.8 ms per row of 49k on a CPU core, 20 times this)."""
-    cum = probs.double().cumsum(0)
-    return cum / cum[-1]
+    cum = probs.double().cumsum(-1)
+    return cum / cum[..., -1:]

@@ -16,8 +16,9 @@ serving pod's normal state: event loop, tokenizer, sidecars), both sides under t
 
 Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM's own client
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
-``--backend openai``, random dataset, input 256, output 128, ``--ignore-eos``, at each
-concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's
+``--backend openai`` (each server's default sampling, temperature 1), and ``--backend
+openai`` with ``--temperature 0.7 --top-p 0.9`` (what chat users commonly send), random
+dataset, input 256, output 128, ``--ignore-eos``, at each concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's
 server overhead: the share of the client's wall time that the engine did not spend inside
 ``engine.step()``.
 
@@ -365,11 +366,19 @@ def prompts_for(conc: int) -> int:
     return max(8, 4 * conc)
 
 
-def bench_serve(
-    peer_bin: Path, server: Server, model: str, backend: str, conc: int, out: Path
-) -> dict:
+# Each serving row: the client's backend, and the sampling its requests ask for (none: each
+# server's default, temperature 1; "top-p": what chat users commonly send).
+SERVING_ROWS = {
+    "openai-chat": ("openai-chat", []),
+    "openai": ("openai", []),
+    "openai top-p": ("openai", ["--temperature", "0.7", "--top-p", "0.9"]),
+}
+
+
+def bench_serve(peer_bin: Path, server: Server, model: str, row: str, conc: int, out: Path) -> dict:
+    backend, sampling = SERVING_ROWS[row]
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
-    name = f"{server.side}-{backend}-{conc}.json"
+    name = f"{server.side}-{row.replace(' ', '-')}-{conc}.json"
     cmd = [
         str(peer_bin / "vllm"),
         "bench",
@@ -403,6 +412,7 @@ def bench_serve(
         "50,99",
         "--seed",
         "0",
+        *sampling,
         "--save-result",
         "--result-dir",
         str(out),
@@ -447,12 +457,10 @@ def serving(peer: Path, model: str, dtype: str, concurrency: list[int]) -> list[
         for s in servers.values():
             s.wait_ready()
         for i, conc in enumerate(concurrency):
-            for backend in ("openai-chat", "openai"):
+            for row in SERVING_ROWS:
                 order = ["tandem", "vllm"] if i % 2 == 0 else ["vllm", "tandem"]
-                res = {
-                    s: bench_serve(peer_bin, servers[s], model, backend, conc, work) for s in order
-                }
-                label = f"serve {dtype} {backend:11s} c={conc:2d}"
+                res = {s: bench_serve(peer_bin, servers[s], model, row, conc, work) for s in order}
+                label = f"serve {dtype} {row:12s} c={conc:2d}"
                 for s in ("tandem", "vllm"):
                     r = res[s]
                     extra = ""

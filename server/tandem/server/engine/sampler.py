@@ -29,6 +29,9 @@ from .structured import apply_grammar_masks
 # -inf / inf or 0 * inf is NaN). Logits (|x| <= ~1e3 with a logit bias) stay finite after
 # both factors at their floor. A temperature below the floor is greedy (SamplingParams.greedy).
 MIN_FACTOR, MAX_FACTOR = 1e-5, 1e5
+# Top-p sorts only the tokens at least this share of a row's likeliest, when they hold more
+# than top-p (the usual case: a model's distribution is peaked); else the whole row.
+CANDIDATE_SHARE = 1e-4
 NO_TOKEN_ALLOWED = "no_token_allowed"
 LOGITS_NOT_FINITE = "logits_not_finite"
 
@@ -232,25 +235,27 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 def _top_p_floor(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Each row's smallest probability that top-p keeps: the largest probabilities are kept
-    while the ones before them sum to at most ``top_p`` (the first always), and a token as
-    likely as the last one kept is kept too (no tie broken by a sort's order). A row with
-    ``top_p`` 1 keeps everything (floor 0)."""
-    ordered = _descending(probs)
-    before = ordered.cumsum(1) - ordered
-    drop = before > _per_row(top_p, probs)
-    drop[:, 0] = False
-    kept = torch.where(drop.any(1), drop.int().argmax(1), probs.shape[1])
-    floor = ordered.gather(1, (kept - 1).unsqueeze(1))
-    return torch.where(_per_row(top_p, probs) < 1.0, floor, torch.zeros_like(floor))
+    """Each row's smallest probability that top-p keeps (a column; 0 for a row with top-p 1,
+    which keeps everything)."""
+    host = probs.cpu().numpy()
+    floors = [_floor(row, p) if p < 1.0 else 0.0 for row, p in zip(host, top_p)]
+    return _per_row(floors, probs)
 
 
-def _descending(probs: torch.Tensor) -> torch.Tensor:
-    """Each row's values, largest first: on CPU numpy's vectorised sort (torch's sort took
-    ~2.4 ms a row of 49k tokens on two cores, numpy's ~0.2)."""
-    if probs.device.type == "cpu":
-        return torch.from_numpy(-np.sort(-probs.numpy(), axis=-1))
-    return probs.sort(dim=-1, descending=True).values
+def _floor(probs: np.ndarray, top_p: float) -> float:
+    """The smallest probability top-p keeps of one row: the likeliest tokens are kept while the
+    ones before them sum to at most ``top_p`` (the first always), and a token as likely as the
+    last one kept is kept too (no tie broken by a sort's order). Only the tokens at least
+    ``CANDIDATE_SHARE`` of the likeliest are sorted when they hold more than ``top_p``: every
+    token below them has more than ``top_p`` before it. A whole row's sort took ~0.2-0.4 ms
+    (torch's ~2.4), a step's sorts as long as its decode."""
+    candidates = probs[probs >= probs.max() * CANDIDATE_SHARE]
+    if candidates.sum(dtype=np.float64) <= top_p:
+        candidates = probs
+    ordered = -np.sort(-candidates)
+    before = np.cumsum(ordered) - ordered
+    beyond = np.flatnonzero(before[1:] > top_p)
+    return float(ordered[beyond[0] if beyond.size else ordered.size - 1])
 
 
 def draw_uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:

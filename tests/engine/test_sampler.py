@@ -164,14 +164,26 @@ def test_rows_drawn_together_draw_what_each_draws_alone() -> None:
 
 
 def test_top_p_keeps_the_fewest_likeliest_tokens_whose_predecessors_stay_within_it() -> None:
-    """Probabilities 0.4, 0.25, 0.25, 0.1 (rest ~0) with top_p 0.5: the first is kept (nothing
-    before it), the second (0.4 before it) too, and the third, as likely as the second, is
-    kept with it; the fourth (0.9 before it) never comes."""
+    """Probabilities 0.4, 0.25 (ids 3 and 11), 0.1 (rest ~0) with top_p 0.5: the first is kept
+    (nothing before it) and one of the 0.25s (0.4 before it), the lower id; the other 0.25
+    (0.65 before it) and the 0.1 never come."""
     probs = torch.full((VOCAB,), 1e-12)
-    probs[[7, 3, 11, 5]] = torch.tensor([0.4, 0.25, 0.25, 0.1])
+    probs[[7, 11, 3, 5]] = torch.tensor([0.4, 0.25, 0.25, 0.1])
     logits = probs.log().unsqueeze(0)
     drawn = {
         sample(logits.clone(), [_request(SamplingParams(top_p=0.5), seed)]).token_ids[0]
         for seed in range(200)
     }
-    assert drawn == {7, 3, 11}
+    assert drawn == {7, 3}
+
+
+def test_top_p_over_equal_probabilities_keeps_as_many_as_it_allows() -> None:
+    """Four equally likely tokens and top_p 0.5: three are kept (0, 0.25 and 0.5 before
+    them), the three lowest ids."""
+    logits = torch.full((1, VOCAB), -1e4)
+    logits[0, [40, 2, 90, 17]] = 0.0
+    drawn = {
+        sample(logits.clone(), [_request(SamplingParams(top_p=0.5), seed)]).token_ids[0]
+        for seed in range(200)
+    }
+    assert drawn == {2, 17, 40}

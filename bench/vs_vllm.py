@@ -18,9 +18,9 @@ Serving: ``tandem serve`` and ``vllm serve`` on the same model, measured by vLLM
 ``vllm bench serve`` (a client neither side wrote) with ``--backend openai-chat`` and
 ``--backend openai`` (each server's default sampling, temperature 1), and ``--backend
 openai`` with ``--temperature 0.7 --top-p 0.9`` (what chat users commonly send), random
-dataset, input 256, output 128, ``--ignore-eos``, at each concurrency (4 x c prompts, at least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's
-server overhead: the share of the client's wall time that the engine did not spend inside
-``engine.step()``.
+dataset, input 256, output 128, ``--ignore-eos``, at each concurrency (4 x c prompts, at
+least 8); output tok/s, TTFT and ITL p50/p99, and Tandem's server overhead: the share of the
+client's wall time that the engine did not spend inside ``engine.step()``.
 
     python bench/vs_vllm.py [--quick] [--cotenant -1] [--repeats 2]
            [--dtypes float32,bfloat16] [--no-serving] [--no-offline] [--concurrency 1,4,16,32]

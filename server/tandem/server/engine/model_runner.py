@@ -27,12 +27,13 @@ import bisect
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import BatchLayout, select_backend
-from .attention.base import SeqShape
+from .attention.base import KeptRows, SeqShape
 from .block_pool import NULL_BLOCK
 from .config import ConfigError, EngineConfig
 from .decode_chain import DecodeChain
@@ -111,6 +112,17 @@ def prepare_inputs(
         lora_slots or [],
     )
     return inputs, sampling
+
+
+def last_layer_tails(query_lens: list[int], rows: list[int]) -> list[int]:
+    """Per sequence, how many of its last new rows the last layer has to finish so that
+    ``rows`` (flat) are among them: from its first such row to its end; 0 where it has none."""
+    firsts: dict[int, int] = {}
+    ends = list(accumulate(query_lens))
+    for row in rows:
+        seq = bisect.bisect_right(ends, row)
+        firsts[seq] = min(firsts.get(seq, row), row)
+    return [end - firsts[i] if i in firsts else 0 for i, end in enumerate(ends)]
 
 
 # ----- CUDA-graph helpers (pure; tested on CPU) ---------------------------------------------
@@ -321,7 +333,7 @@ class ModelRunner:
                 inputs.block_tables,
             )
         else:
-            hidden = self._eager(inputs)
+            hidden, inputs = self._eager(inputs)
         # a copy: rows in order are a view, and a decode chain's output buffer is reused
         pooled = hidden[self._index(inputs.hidden_rows)].to(torch.float32, copy=True)
         if not compute_logits or not inputs.logits_rows:
@@ -354,7 +366,9 @@ class ModelRunner:
         one (two such waits made Llama-3.1-8B's batch-1 step 8.1 ms over a 4.7 ms replay)."""
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _eager(self, inputs: StepInputs) -> torch.Tensor:
+    def _eager(self, inputs: StepInputs) -> tuple[torch.Tensor, StepInputs]:
+        """The step's final hidden states and ``inputs`` with its logits and pooled rows
+        numbered among them: without adapters, only the rows read from them (``KeptRows``)."""
         layout = BatchLayout(
             query_lens=list(inputs.query_lens),
             kv_lens=list(inputs.kv_lens),
@@ -364,11 +378,33 @@ class ModelRunner:
         step = self.backend.plan(layout)
         if self.lora is not None:
             self.lora.begin_step(inputs.lora_slots, inputs.query_lens)
-        return self.model(
+        keep, inputs = self._kept(inputs)
+        hidden = self.model(
             self._on_device(inputs.input_ids, torch.int64),
             self._on_device(inputs.positions, torch.int64),
             step,
+            keep,
         )
+        return hidden, inputs
+
+    def _kept(self, inputs: StepInputs) -> tuple[KeptRows | None, StepInputs]:
+        """The rows the last layer finishes, and ``inputs`` with its logits and pooled rows
+        renumbered among them; None and ``inputs`` when every row is read, or when an adapter
+        runs (its layers' hooks take the step's rows as they lie)."""
+        if any(s >= 0 for s in inputs.lora_slots):
+            return None, inputs
+        tails = last_layer_tails(inputs.query_lens, inputs.logits_rows + inputs.hidden_rows)
+        ends = accumulate(inputs.query_lens)
+        kept = [r for end, t in zip(ends, tails) for r in range(end - t, end)]
+        if len(kept) == len(inputs.input_ids):
+            return None, inputs
+        place = {row: i for i, row in enumerate(kept)}
+        renumbered = replace(
+            inputs,
+            logits_rows=[place[r] for r in inputs.logits_rows],
+            hidden_rows=[place[r] for r in inputs.hidden_rows],
+        )
+        return KeptRows(tails, self._index(kept)), renumbered
 
     # ----- CUDA graphs --------------------------------------------------------------------
     @property

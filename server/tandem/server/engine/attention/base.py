@@ -47,12 +47,29 @@ class BatchLayout(SeqShape):
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """The rows a step's last layer finishes: each sequence's last ``tails[i]`` new tokens,
+    those sampled or pooled. That layer writes every row's K and V, which later steps read,
+    but its attention output, o_proj, MLP and the final norm serve only these rows: the rest
+    of a prompt (all of a chunk that does not end one) stops at its K and V."""
+
+    tails: list[int]  # per sequence, in the step's order
+    index: torch.Tensor | slice  # their flat rows, in order
+
+
 class AttentionStep(ABC):
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, H_kv, D]; returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, H_kv, D]; writes every row's K and V and returns the
+        attention output of every row ([T, H, D]) or of ``keep``'s rows only."""
 
 
 class AttentionBackend(ABC):

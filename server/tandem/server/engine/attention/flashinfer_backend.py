@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..kv_cache import KVCache
-from .base import AttentionBackend, AttentionStep, BatchLayout
+from .base import AttentionBackend, AttentionStep, BatchLayout, KeptRows
 
 WORKSPACE_BYTES = 128 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -257,9 +257,15 @@ class FlashInferStep(AttentionStep):
         self.run_kwargs = run_kwargs
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
         flat = self.kv_cache.flat_kv(layer)
         flat[0].index_copy_(0, self.slot_mapping, k.to(flat.dtype))
         flat[1].index_copy_(0, self.slot_mapping, v.to(flat.dtype))
-        return self.wrapper.run(q.contiguous(), self.kv_cache.layer(layer), **self.run_kwargs)
+        out = self.wrapper.run(q.contiguous(), self.kv_cache.layer(layer), **self.run_kwargs)
+        return out if keep is None else out[keep.index]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kv_cache import KVCache
-from .base import AttentionBackend, AttentionStep, BatchLayout
+from .base import AttentionBackend, AttentionStep, BatchLayout, KeptRows
 
 # Leading pages every decode of a step shares are attended once for all of them when they hold
 # at least this many tokens and at least SHARED_MIN_ROWS decodes share them (with two query
@@ -35,6 +35,7 @@ SHARED_MIN_ROWS = 8
 
 @dataclass(frozen=True)
 class _Prefill:
+    seq: int  # the sequence's place in the step
     start: int  # first flat token of the sequence's new tokens
     end: int
     blocks: torch.Tensor  # [nb] its pages
@@ -135,7 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
         if q_len < kv_len:  # query j sits at absolute position kv_len - q_len + j
             mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
             mask = mask.to(device)
-        return _Prefill(start, start + q_len, blocks, kv_len, mask)
+        return _Prefill(i, start, start + q_len, blocks, kv_len, mask)
 
     def _in_place(self, layout: BatchLayout, starts: list[int], idx: list[int]) -> _InPlaceDecodes:
         bs = self.kv_cache.block_size
@@ -192,37 +193,59 @@ class _TorchStep(AttentionStep):
         self.prefill_kernel = prefill_kernel
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
+        """With ``keep``, the C prefill kernel attends only each prompt's kept tail (its
+        queries sit at the end of the keys, as the kernel aligns them); SDPA attends all."""
         kv = self.kv_cache.flat_kv(layer)  # [2, slots, H_kv, D]
         kv[0].index_copy_(0, self.slot_mapping, k.to(kv.dtype))
         kv[1].index_copy_(0, self.slot_mapping, v.to(kv.dtype))
         pages = self.kv_cache.data[layer]  # [2, blocks, block_size, H_kv, D]
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k.shape[1]
         for d in self.decodes:
             d.attend(q, pages, self.scale, out)
         for p in self.prefills:
-            if p.mask is None and kv.dtype == q.dtype:
-                kp, vp = k[p.start : p.end], v[p.start : p.end]
-            else:
-                kp, vp = _gather_pages(pages, p.blocks, p.kv_len, q.dtype)
-            if self.prefill_kernel:
-                kernels.prefill_attention(
-                    q[p.start : p.end], kp, vp, self.scale, out[p.start : p.end]
-                )
-                continue
-            o = F.scaled_dot_product_attention(
-                q[p.start : p.end].transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
-                kp.transpose(0, 1).unsqueeze(0),
-                vp.transpose(0, 1).unsqueeze(0),
-                attn_mask=p.mask,
-                is_causal=p.mask is None,
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1)
-        return out
+            first = p.start
+            if keep is not None and self.prefill_kernel:
+                first = p.end - keep.tails[p.seq]
+                if first == p.end:
+                    continue
+            self._prefill(p, first, q, k, v, pages, out)
+        return out if keep is None else out[keep.index]
+
+    def _prefill(
+        self,
+        p: _Prefill,
+        first: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pages: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Prompt ``p``'s attention for its queries from flat row ``first`` on."""
+        if p.mask is None and pages.dtype == q.dtype:
+            kp, vp = k[p.start : p.end], v[p.start : p.end]
+        else:
+            kp, vp = _gather_pages(pages, p.blocks, p.kv_len, q.dtype)
+        if self.prefill_kernel:
+            kernels.prefill_attention(q[first : p.end], kp, vp, self.scale, out[first : p.end])
+            return
+        o = F.scaled_dot_product_attention(
+            q[p.start : p.end].transpose(0, 1).unsqueeze(0),  # [1, H, Lq, D]
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=self.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        out[p.start : p.end] = o[0].transpose(0, 1)
 
 
 def _gather_pages(

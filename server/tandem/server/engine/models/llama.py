@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.base import AttentionStep
+from ..attention.base import AttentionStep, KeptRows
 from ..parallel import SINGLE, TensorParallel
 from .config import ModelConfig
 from .layers import GatedMLP, Linear, PackedLinear, RMSNorm, RowParallelLinear
@@ -41,7 +41,10 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.split = [q, kv, kv]
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, attn: AttentionStep) -> torch.Tensor:
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, attn: AttentionStep, keep: KeptRows | None = None
+    ) -> torch.Tensor:
+        """Every row's K and V go to the cache; the output is ``keep``'s rows' (all without)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -50,8 +53,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
-        out = attn.forward(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        out = attn.forward(self.layer_idx, q, k, v, keep)
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -65,16 +68,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, rope: RopeTables, h: torch.Tensor, residual: torch.Tensor | None, attn: AttentionStep
+        self,
+        rope: RopeTables,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn: AttentionStep,
+        keep: KeptRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h``: the previous layer's MLP output, still to be added to ``residual`` (the stream
         so far; None before the first layer, where ``h`` is the stream). Each add is done by
-        the norm after it (``RMSNorm.add``); returns this layer's MLP output and the stream."""
+        the norm after it (``RMSNorm.add``); returns this layer's MLP output and the stream,
+        of ``keep``'s rows only where given."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm.add(h, residual)
-        x, residual = self.post_attention_layernorm.add(self.self_attn(rope, x, attn), residual)
+        out = self.self_attn(rope, x, attn, keep)
+        if keep is not None:
+            residual = residual[keep.index]
+        x, residual = self.post_attention_layernorm.add(out, residual)
         return self.mlp(x), residual
 
 
@@ -92,13 +104,21 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionStep,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
+        """The final hidden states of every row, or of ``keep``'s rows: the last layer
+        finishes only those (a prompt's other rows skip one layer's work but its K and V)."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual = None
-        for layer in self.layers:
+        *layers, last = self.layers
+        for layer in layers:
             h, residual = layer(rope, h, residual, attn)
+        h, residual = last(rope, h, residual, attn, keep)
         return self.norm.add(h, residual)[0]
 
 
@@ -129,9 +149,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionStep
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionStep,
+        keep: KeptRows | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -16,6 +16,7 @@ import torch
 
 from tandem.server.engine import kernels
 from tandem.server.engine.attention import BatchLayout, TorchAttentionBackend
+from tandem.server.engine.attention.base import KeptRows
 from tandem.server.engine.kv_cache import KVCache
 
 H, H_KV, D, BS, BLOCKS = 6, 2, 32, 4, 256  # D: the narrowest the C kernels take
@@ -106,14 +107,26 @@ def test_matches_attention_per_sequence(name: str, dtype: torch.dtype, in_place:
     want, written = _reference(
         cache.data[0].double(), layout, q.double(), k.double(), v.double(), scale
     )
-    got = (
-        TorchAttentionBackend(cache, scale, in_place=in_place, prefill_kernel=prefill_kernel)
-        .plan(layout)
-        .forward(0, q.to(dtype), k.to(dtype), v.to(dtype))
-    )
+    step = TorchAttentionBackend(
+        cache, scale, in_place=in_place, prefill_kernel=prefill_kernel
+    ).plan(layout)
+    got = step.forward(0, q.to(dtype), k.to(dtype), v.to(dtype))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
     assert torch.equal(cache.data[0].view(2, -1, H_KV, D), written.to(dtype))
+
+    keep = _some_tails(layout.query_lens)  # a last layer's rows: the same outputs, no others
+    got = step.forward(0, q.to(dtype), k.to(dtype), v.to(dtype), keep)
+    assert torch.allclose(got.double(), want[keep.index], atol=tol, rtol=tol)
+    assert torch.equal(cache.data[0].view(2, -1, H_KV, D), written.to(dtype))
+
+
+def _some_tails(query_lens: list[int]) -> KeptRows:
+    """Each sequence's last one to three rows, or none for every fourth."""
+    tails = [0 if i % 4 == 3 else min(n, 1 + i % 3) for i, n in enumerate(query_lens)]
+    ends = [sum(query_lens[: i + 1]) for i in range(len(query_lens))]
+    rows = [r for end, t in zip(ends, tails) for r in range(end - t, end)]
+    return KeptRows(tails, torch.tensor(rows, dtype=torch.int64))
 
 
 def test_shared_pages_are_attended_once() -> None:

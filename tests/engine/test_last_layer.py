@@ -3,6 +3,7 @@ and every row of a chunk that does not end its prompt, stop at their K and V the
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem.server.engine.config import EngineConfig
@@ -32,9 +33,10 @@ def step(logits_rows: list[int]) -> StepInputs:
     )
 
 
-def test_the_rows_read_and_every_k_and_v_are_those_of_the_whole_step(llama_dir) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rows_read_and_every_k_and_v_are_those_of_the_whole_step(llama_dir, dtype) -> None:
     config = EngineConfig(
-        str(llama_dir), dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=15 * BS
+        str(llama_dir), dtype=dtype, device="cpu", block_size=BS, kv_cache_tokens=15 * BS
     )
     runner = ModelRunner(config, read_model_config(llama_dir), torch.device("cpu"))
     every = runner.run(step(list(range(11))))  # every row read: no row left out

@@ -133,17 +133,21 @@ def test_paged_decode_at_model_head_dims_matches_float64(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(8, 9, 3), (3, 4, 2), (30, 9, 3)])
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "dim"),
+    [(8, 9, 3, 64), (3, 4, 2, 64), (30, 9, 3, 64), (2, 4, 2, 64), (5, 4, 2, 128), (6, 8, 8, 32)],
+)
 def test_shared_pages_merged_match_float64(
-    dtype: torch.dtype, batch: int, heads: int, kv_heads: int
+    dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int
 ) -> None:
     """Decodes beginning with the same pages: those attended once for all rows
-    (``shared_attention``: 16-row tiles with AMX in bfloat16, rows of four otherwise, and a
-    remainder), the rest per row (``paged_decode`` with each row's max and sum), merged by
-    ``merge_attention``: the attention over the whole context."""
-    if not kernels.prefill_attention_for(torch.device("cpu"), dtype, 64):
+    (``shared_attention``: 16-row tiles with AMX in bfloat16 from six rows of queries a KV
+    head, else the pages walked once by every row's queries), the rest per row
+    (``paged_decode`` with each row's max and sum), merged by ``merge_attention``: the
+    attention over the whole context."""
+    if not kernels.prefill_attention_for(torch.device("cpu"), dtype, dim):
         pytest.skip("the C attention kernels need AVX-512 (and AVX512-BF16 in bfloat16)")
-    bs, shared_pages, dim = 16, 9, 64
+    bs, shared_pages = 16, 9
     pages = _rand(2, 128, bs, kv_heads, dim, dtype=dtype, seed=6) / 3
     order = iter(torch.randperm(127, generator=torch.Generator().manual_seed(7)).add(1).tolist())
     shared = [next(order) for _ in range(shared_pages)]

@@ -13,11 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tandem.server.engine import LLM, SamplingParams, decode_chain, kernels
-from tandem.server.engine.attention.torch_backend import (
-    SHARED_MIN_ROWS,
-    SHARED_MIN_TOKENS,
-    shared_start,
-)
+from tandem.server.engine.attention.torch_backend import SHARED_PAGES, shared_start
 from tandem.server.engine.decode_chain import DecodeChain
 from tandem.server.engine.default_model import default_model_path
 from tandem.server.engine.models.layers import DECODE_ROWS
@@ -131,15 +127,20 @@ def test_decode_linear_chain_equals_the_modules_bit_for_bit(tiny_models, arch, d
     assert _generate(llm, prompts) == got
 
 
-def test_chain_attends_shared_pages_once_as_the_modules_do(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_attends_shared_pages_once_as_the_modules_do(monkeypatch, dtype) -> None:
     """Decodes that begin with the same pages (a long common prefix) attend to them once in
-    the chain too (the default model, dequantized: heads of 64, which shared_attention takes)."""
-    if not kernels.shared_attention_for(torch.device("cpu"), torch.bfloat16, 64):
-        pytest.skip("shared pages are attended once in bfloat16 on AMX only")
-    llm = LLM(default_model_path(), dtype="bfloat16", kv_cache_tokens=8192, quantized_weights="off")
+    the chain too (the default model, dequantized: heads of 64, which shared_attention takes),
+    once enough rows share enough tokens (``SHARED_PAGES``)."""
+    if not kernels.shared_attention_for(torch.device("cpu"), dtype, 64):
+        pytest.skip("shared pages are attended once in float32 on AVX-512, bfloat16 on AMX")
+    least = SHARED_PAGES[dtype]
+    llm = LLM(
+        default_model_path(), dtype=str(dtype)[6:], kv_cache_tokens=8192, quantized_weights="off"
+    )
     runner = llm.engine.worker.runner
     chain = runner._chain
-    assert chain is not None and chain.shared_pages
+    assert chain is not None and chain.shared_pages == least
     shared = []
 
     def recorded(*args: object) -> int:
@@ -147,10 +148,10 @@ def test_chain_attends_shared_pages_once_as_the_modules_do(monkeypatch) -> None:
         return shared[-1]
 
     monkeypatch.setattr(decode_chain, "shared_start", recorded)
-    prefix = "You are a careful assistant. Answer briefly and plainly. " * 8
-    prompts = [f"{prefix}Question {i}: name a colour." for i in range(SHARED_MIN_ROWS + 2)]
+    prefix = "You are a careful assistant. Answer briefly and plainly. " * (least.tokens // 8)
+    prompts = [f"{prefix}Question {i}: name a colour." for i in range(least.rows + 2)]
     got = _generate(llm, prompts)
-    assert max(shared) * runner.kv_cache.block_size >= SHARED_MIN_TOKENS
+    assert max(shared) * runner.kv_cache.block_size >= least.tokens
     runner._chain = None
     assert _generate(llm, prompts) == got
 

@@ -17,9 +17,10 @@ import torch
 from tandem.server.engine import kernels
 from tandem.server.engine.attention import BatchLayout, TorchAttentionBackend
 from tandem.server.engine.attention.base import KeptRows
+from tandem.server.engine.attention.torch_backend import SHARED_PAGES
 from tandem.server.engine.kv_cache import KVCache
 
-H, H_KV, D, BS, BLOCKS = 6, 2, 32, 4, 256  # D: the narrowest the C kernels take
+H, H_KV, D, BS, BLOCKS = 6, 2, 32, 4, 1280  # D: the narrowest the C kernels take
 
 
 def _reference(cache, layout, q, k, v, scale):
@@ -79,9 +80,11 @@ SCENARIOS = {
     "decodes_sharing_a_prefix": ([(n, 1) for n in (33, 40, 41, 47, 64)], 8),
     "a_shared_prefix_ending_at_the_newest_token": ([(32, 1), (32, 1), (36, 1)], 8),
     "mixed_with_a_shared_prefix": ([(32, 1), (0, 12), (44, 1), (32, 5), (70, 1)], 8),
-    # past SHARED_MIN_TOKENS and SHARED_MIN_ROWS: in bfloat16 on an AMX CPU, the shared pages
-    # attended once (sixteen rows a tile, then a remainder of four and four)
+    # past SHARED_PAGES in bfloat16: on an AMX CPU, the shared pages attended once (sixteen
+    # rows a tile, then a remainder of four and four)
     "many_decodes_sharing_a_long_prefix": ([(n, 1) for n in (68, 70, 75, 80, 83, 90, 99, 130)], 17),
+    # past SHARED_PAGES in float32 too: the shared pages walked once by every row's queries
+    "sixteen_decodes_sharing_a_longer_prefix": ([(n, 1) for n in range(260, 292, 2)], 64),
     "decodes_sharing_two_prefixes_and_none": (
         [(40, 1, 0), (50, 1, 1), (36, 1, -1), (45, 1, 0), (90, 1, 1), (60, 1, -1), (33, 1, 1)],
         8,
@@ -129,19 +132,25 @@ def _some_tails(query_lens: list[int]) -> KeptRows:
     return KeptRows(tails, torch.tensor(rows, dtype=torch.int64))
 
 
-def test_shared_pages_are_attended_once() -> None:
-    """In bfloat16 on an AMX CPU the C path takes the pages every decode begins with apart
-    once there are enough of them (and keeps them whole below that)."""
-    if not kernels.shared_attention_for(torch.device("cpu"), torch.bfloat16, D):
-        pytest.skip("shared pages are attended apart only on AMX tiles")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_pages_are_attended_once(dtype: torch.dtype) -> None:
+    """The C path takes the pages every decode begins with apart once enough rows share enough
+    of them (``SHARED_PAGES``: in float32 sixteen rows, in bfloat16 on an AMX CPU eight), and
+    keeps them whole below that."""
+    if not kernels.shared_attention_for(torch.device("cpu"), dtype, D):
+        pytest.skip("shared pages are attended apart in float32 on AVX-512, bfloat16 on AMX")
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H_KV, head_dim=D)
-    cache = KVCache(cfg, BLOCKS, BS, torch.bfloat16, torch.device("cpu"))
+    cache = KVCache(cfg, BLOCKS, BS, dtype, torch.device("cpu"))
     backend = TorchAttentionBackend(cache, D**-0.5, in_place=True)
-    for name, shared in [
-        ("many_decodes_sharing_a_long_prefix", 17),
-        ("decodes_sharing_a_prefix", 0),
+    least = SHARED_PAGES[dtype]
+    for name in [
+        "sixteen_decodes_sharing_a_longer_prefix",
+        "many_decodes_sharing_a_long_prefix",
+        "decodes_sharing_a_prefix",
     ]:
-        layout, *_ = _scenario(*SCENARIOS[name], seed=0)
+        seqs, pages = SCENARIOS[name]
+        shared = pages if len(seqs) >= least.rows and pages * BS >= least.tokens else 0
+        layout, *_ = _scenario(seqs, pages, seed=0)
         (decodes,) = backend.plan(layout).decodes
         assert (0 if decodes.shared is None else len(decodes.shared)) == shared
         assert decodes.lens.tolist() == [n - shared * BS for n in layout.kv_lens]

@@ -32,7 +32,7 @@ import ctypes
 import torch
 
 from . import kernels
-from .attention.torch_backend import shared_start
+from .attention.torch_backend import SharedPages, shared_start
 from .kv_cache import KVCache
 from .models.layers import DECODE_ROWS, Linear
 from .models.llama import DecoderModel, LlamaForCausalLM
@@ -114,7 +114,7 @@ class DecodeChain:
         kv_cache: KVCache,
         scale: float,
         decode_linears: bool = False,
-        shared_pages: bool = False,
+        shared_pages: SharedPages | None = None,
     ) -> None:
         self.model: DecoderModel = model.model
         self.kv_cache = kv_cache
@@ -149,7 +149,7 @@ class DecodeChain:
         in_place: bool,
         tp_size: int,
         scale: float,
-        shared_pages: bool = False,
+        shared_pages: SharedPages | None = None,
     ) -> DecodeChain | None:
         """The chain of ``model`` where it qualifies (see the module's docstring), else None."""
         products = _products(model, kv_cache, in_place, tp_size)
@@ -213,7 +213,8 @@ class DecodeChain:
         row_tables = [table for table, q in zip(block_tables, query_lens) for _ in range(q)]
         lens = [p + 1 for p in positions]
         decodes = all(q == 1 for q in query_lens)
-        shared = shared_start(row_tables, lens, bs) if self.shared_pages and decodes else 0
+        least = self.shared_pages
+        shared = shared_start(row_tables, lens, bs, least) if least and decodes else 0
         lens = [n - shared * bs for n in lens]
         width = -(-max(lens) // bs)
         tables = torch.tensor(

@@ -344,7 +344,7 @@ class ModelRunner:
         """The CPU's counterpart of the decode graphs, where the model qualifies."""
         in_place = getattr(self.backend, "in_place", False)
         scale = self.model_config.head_dim**-0.5
-        shared = getattr(self.backend, "shared_pages", False)
+        shared = getattr(self.backend, "shared_pages", None)
         return DecodeChain.build(self.model, self.kv_cache, in_place, self.tp.size, scale, shared)
 
     @staticmethod

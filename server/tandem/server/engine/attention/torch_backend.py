@@ -2,11 +2,11 @@
 
 Decodes (one new token each) are batched. On a CPU where the C kernels build (AVX-512 and a C
 compiler), they all go to one call of ``kernels.paged_decode``, which reads their pages in
-place; in bfloat16 on a CPU with AMX, when they all begin with the same pages (a shared system
-prompt, a prompt's ``n > 1`` samples: ``SHARED_MIN_TOKENS`` or more), those pages are attended
-once for all of them (``kernels.shared_attention``: every row's queries against the packed
-pages as one prompt, in tiles) and merged by their softmax sums with the rest
-(``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two
+place; when enough of them (``SHARED_PAGES``) begin with the same pages (a shared system
+prompt, a prompt's ``n > 1`` samples), those pages are attended once for all of them
+(``kernels.shared_attention``: in bfloat16 on an AMX CPU every row's queries against the
+packed pages as one prompt, in tiles; in float32 the pages walked once by every row's queries)
+and merged by their softmax sums with the rest (``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two
 ``bmm`` calls per group, and the pages every decode of a group shares at the start of its
 block table (a common system prompt, ``n > 1`` siblings) are gathered and attended once for
 all of them. Prefills run one
@@ -26,11 +26,20 @@ from .. import kernels
 from ..kv_cache import KVCache
 from .base import AttentionBackend, AttentionStep, BatchLayout, KeptRows
 
-# Leading pages every decode of a step shares are attended once for all of them when they hold
-# at least this many tokens and at least SHARED_MIN_ROWS decodes share them (with two query
-# heads a KV head or more, the sixteen rows of a tile).
-SHARED_MIN_TOKENS = 64
-SHARED_MIN_ROWS = 8
+
+@dataclass(frozen=True)
+class SharedPages:
+    """Leading pages every decode of a step shares are attended once for all of them when at
+    least ``rows`` decodes share at least ``tokens`` tokens."""
+
+    rows: int
+    tokens: int
+
+
+# bfloat16 on AMX tiles: with two query heads a KV head or more, the sixteen rows of a tile.
+# float32 (``shared_decode``, kernels/paged_decode.c): 16 rows sharing 256 tokens ran 0.9x the time of each row
+# reading them (1,024: 0.75x); 8 or 12 rows, or 128 tokens, no faster (docs/performance.md).
+SHARED_PAGES = {torch.bfloat16: SharedPages(8, 64), torch.float32: SharedPages(16, 256)}
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
         if prefill_kernel is None:
             prefill_kernel = kernels.prefill_attention_for(*where)
         self.prefill_kernel = prefill_kernel
-        self.shared_pages = self.in_place and kernels.shared_attention_for(*where)
+        shared = self.in_place and kernels.shared_attention_for(*where)
+        self.shared_pages = SHARED_PAGES[kv_cache.dtype] if shared else None
 
     def plan(self, layout: BatchLayout) -> AttentionStep:
         starts = [0]
@@ -142,7 +152,7 @@ class TorchAttentionBackend(AttentionBackend):
         bs = self.kv_cache.block_size
         lens = [layout.kv_lens[i] for i in idx]
         tables = [layout.block_tables[i] for i in idx]
-        shared = shared_start(tables, lens, bs) if self.shared_pages else 0
+        shared = shared_start(tables, lens, bs, self.shared_pages) if self.shared_pages else 0
         lens = [n - shared * bs for n in lens]
         width = -(-max(lens) // bs)
         rows = [starts[i] for i in idx]
@@ -285,15 +295,17 @@ def _split_by_length(idx: list[int], layout: BatchLayout) -> list[list[int]]:
     return [ordered[:half], ordered[half:]]
 
 
-def shared_start(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+def shared_start(
+    tables: list[list[int]], lens: list[int], block_size: int, least: SharedPages
+) -> int:
     """How many leading pages the decodes with these block tables and context lengths attend
     to once, together (``kernels.shared_attention``): the whole pages every row holds, leaving
-    each row at least its newest token of its own, when ``SHARED_MIN_ROWS`` or more rows share
-    ``SHARED_MIN_TOKENS`` or more tokens; else 0."""
-    if len(tables) < SHARED_MIN_ROWS:
+    each row at least its newest token of its own, when ``least.rows`` or more rows share
+    ``least.tokens`` or more tokens; else 0."""
+    if len(tables) < least.rows:
         return 0
     shared = _common_start(tables, (min(lens) - 1) // block_size)
-    return shared if shared * block_size >= SHARED_MIN_TOKENS else 0
+    return shared if shared * block_size >= least.tokens else 0
 
 
 def _common_start(tables: list[list[int]], limit: int) -> int:

@@ -19,6 +19,10 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
                   float scale, int bf16, int threads, float *lse);
+void shared_decode(const void *q, int64_t q_stride, const void *k, const void *v,
+                   const int32_t *pages, int num_pages, int block_size, int batch, int heads,
+                   int kv_heads, int dim, float scale, int bf16, int threads, float *out,
+                   float *lse);
 void merge_attention(void *out, int64_t out_stride, const float *lse, const float *shared,
                      const float *shared_lse, int batch, int heads, int dim, int bf16);
 

@@ -76,9 +76,10 @@ def paged_decode(
 
 
 def shared_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether ``shared_attention`` pays here: bfloat16 on AMX tiles (elsewhere, measured on
-    an Emerald Rapids Xeon in float32, it cost more than ``paged_decode`` reading the shared
-    pages once per row)."""
+    """Whether ``shared_attention`` pays here: bfloat16 on AMX tiles, float32 on AVX-512
+    (``shared_decode``; bfloat16 without tiles takes that too, unmeasured, so not here)."""
+    if dtype == torch.float32:
+        return paged_decode_for(device, dtype, head_dim)
     return (
         dtype == torch.bfloat16
         and prefill_attention_for(device, dtype, head_dim)

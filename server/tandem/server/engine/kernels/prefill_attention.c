@@ -76,32 +76,6 @@ INLINE void pack_row(const char *k, const char *v, int j, int dim, int bf16, voi
     }
 }
 
-/* Sixteen rows of sixteen 32-bit words transposed in place (row i, word c to row c, word i). */
-INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + c]: word 4 l + c of rows i .. i + 3 in lane l */
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int h = 0; h < 16; h += 8) /* lanes 0, 2 and 1, 3 of rows h .. h + 7 */
-        for (int c = 0; c < 4; c++) {
-            t[h + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0x88);
-            t[h + 4 + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0xdd);
-        }
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xdd);
-    }
-}
-
 /* Keys j .. j + 15 (j a multiple of 16; rows `stride` elements apart from k and v) packed as
  * pack_row packs them: K's words sixteen keys by sixteen words transposed, V's pairs of
  * bfloat16 rows interleaved by a two-source permute. */
@@ -748,13 +722,15 @@ static void pack_pages(const char *k, const char *v, const int32_t *pages, int n
 }
 
 /* Whether shared_attention runs on tiles here (AMX built and granted): read by kernels/ops.py,
- * since without them it is no faster than paged_decode reading the pages once per row. */
+ * which has bfloat16 shared pages attended apart only on tiles (without, unmeasured). */
 int shared_attention_tiles(void) { return HAVE_AMX && amx_permitted(); }
 
 /* Decodes that share their leading pages (a common system prompt, a prompt's n > 1 samples)
- * attend to those pages once, together: per KV head, every sequence's query heads are the rows
- * of one prompt, all at the last shared position (nothing masked), so the pages are packed once
- * and each key block meets up to 64 rows (sixteen at a time as AMX tiles). q: [batch, heads,
+ * attend to those pages once, together. In bfloat16 on AMX tiles: per KV head, every sequence's
+ * query heads are the rows of one prompt, all at the last shared position (nothing masked), so
+ * the pages are packed once and each key block meets up to 64 rows, sixteen at a time; else
+ * (float32, or fewer than PADDED_ROWS rows) the pages are walked in place (shared_decode,
+ * paged_decode.c: packing them cost more than the products it fed). q: [batch, heads,
  * dim], sequences q_stride elements apart; k, v: a layer's pages; out: [batch, heads, dim]
  * float32, normalised; lse: [batch, heads, 2], each row's running max and sum, which
  * merge_attention (paged_decode.c) weighs against the rest of the sequence's pages. */
@@ -765,9 +741,11 @@ void shared_attention(const void *q, int64_t q_stride, const void *k, const void
     const int group = heads / kv_heads, chunks = dim / 16, elem = bf16 ? 2 : 4;
     const int len = num_pages * block_size, rows = batch * group;
     const int padded = (len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    const int amx = bf16 && rows >= (dim <= 64 ? PADDED_ROWS : AMX_ROWS) && amx_permitted();
-    const int unit = amx ? AMX_ROWS : 4, half = rows / 2 / unit * unit;
-    const int chunk = half < unit ? unit : (half > CHUNK ? CHUNK : half);
+    if (!(bf16 && rows >= (dim <= 64 ? PADDED_ROWS : AMX_ROWS) && amx_permitted()))
+        return shared_decode(q, q_stride, k, v, pages, num_pages, block_size, batch, heads,
+                             kv_heads, dim, scale, bf16, threads, out, lse);
+    const int half = rows / 2 / AMX_ROWS * AMX_ROWS;
+    const int chunk = half < AMX_ROWS ? AMX_ROWS : (half > CHUNK ? CHUNK : half);
     const int parts = (rows + chunk - 1) / chunk;
     const size_t packed = sizeof(float) * (size_t)padded * dim, row_bytes = (size_t)dim * elem;
     char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
@@ -778,7 +756,7 @@ void shared_attention(const void *q, int64_t q_stride, const void *k, const void
                    (const char *)q + (b * q_stride + (int64_t)head * dim) * elem, row_bytes);
 #pragma omp parallel num_threads(threads)
     {
-        Scratch w = scratch_new(dim, amx);
+        Scratch w = scratch_new(dim, 1);
 #pragma omp for
         for (int h = 0; h < kv_heads; h++)
             pack_pages(k, v, pages, num_pages, block_size, kv_heads, h, padded, dim, bf16,

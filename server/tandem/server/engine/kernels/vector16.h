@@ -18,6 +18,32 @@ static inline __attribute__((always_inline)) void store16(char *p, __m512 x, con
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
 }
 
+/* Sixteen rows of sixteen 32-bit words transposed in place (row i, word c to row c, word i). */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + c]: word 4 l + c of rows i .. i + 3 in lane l */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8) /* lanes 0, 2 and 1, 3 of rows h .. h + 7 */
+        for (int c = 0; c < 4; c++) {
+            t[h + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0x88);
+            t[h + 4 + c] = _mm512_shuffle_i32x4(u[h + c], u[h + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xdd);
+    }
+}
+
 /* exp(x) for a vector, Cephes' polynomial as in convert.h, 2^n applied by vscalefps. */
 static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

@@ -39,15 +39,19 @@ void panel_pack(const float *w, int n, int k, float *out) {
 }
 
 /* `rows` (a constant where inlined) rows of x times one panel, plus bias, into out's
- * first `cols` columns; each input asks for `lines` cache lines from `ask` on into L2. */
+ * first `cols` columns. Pass j of `passes` over the panel asks for its share of the 4 k cache
+ * lines from `ask` on (NULL: none) into L2, spread evenly over its inputs: 4 / passes a
+ * input, the passes together asking for each line once. */
 INLINE void rows_panel(const float *x, int64_t x_stride, const float *panel, int k, const int rows,
                        const float *bias, int cols, float *out, int64_t out_stride,
-                       const float *ask, int lines) {
+                       const float *ask, int j, int passes) {
     __m512 acc[ROWS][4];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    int64_t line = (int64_t)j * k * 4 / passes; /* the next line to ask for */
+    int due = (int)((int64_t)j * k * 4 % passes); /* passes-ths of a line owed */
     for (int i = 0; i < k; i++) {
-        for (int l = 0; l < lines; l++)
-            _mm_prefetch((const char *)(ask + (int64_t)(i * lines + l) * 16), _MM_HINT_T1);
+        for (due += ask ? 4 : 0; due >= passes; due -= passes)
+            _mm_prefetch((const char *)(ask + 16 * line++), _MM_HINT_T1);
         __m512 w[4];
         for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + (int64_t)i * PANEL + 16 * v);
         for (int r = 0; r < rows; r++) {
@@ -67,9 +71,9 @@ INLINE void rows_panel(const float *x, int64_t x_stride, const float *panel, int
 /* Up to ROWS rows of x times one panel: the row count made a constant. */
 static void group_panel(const float *x, int64_t x_stride, const float *panel, int k, int rows,
                         const float *bias, int cols, float *out, int64_t out_stride,
-                        const float *ask, int lines) {
+                        const float *ask, int j, int passes) {
 #define ROWS_CASE(R) \
-    case R: return rows_panel(x, x_stride, panel, k, R, bias, cols, out, out_stride, ask, lines);
+    case R: return rows_panel(x, x_stride, panel, k, R, bias, cols, out, out_stride, ask, j, passes);
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
     }
@@ -82,20 +86,17 @@ static void group_panel(const float *x, int64_t x_stride, const float *panel, in
  * pass asks for its own panel AHEAD inputs ahead and several ask for nothing. At 16-32
  * rows the passes after the first ran at the FMA rate and the first at the rate lines came
  * in on demand (default model, 2 threads, FMAs a cycle a thread: 576 -> 3072 at 32 rows
- * 1.34 -> 1.57, lm_head 1.0 -> 1.4-1.7). */
+ * 1.34 -> 1.57, lm_head 1.0 -> 1.4-1.7). Spread over all the passes' inputs rather than a
+ * line an input in the first four, the asks cost the default model's 30 layers 0.97x the
+ * time at 16 rows, 0.91x at 32 and 0.85x at 64 (alternating in one process, 11 runs). */
 static void panel_passes(const float *x, int64_t x_stride, int m, int k, const float *panel,
                          int g0, int g1, int last, const float *bias, int cols, float *out,
                          int64_t out_stride) {
-    const int lines = (4 + g1 - g0 - 1) / (g1 - g0);
-    for (int g = g0; g < g1; g++) {
-        const int j = g - g0;
-        const float *ask = g1 - g0 == 1 && last ? panel + AHEAD * PANEL
-                                                 : panel + (int64_t)k * PANEL + (int64_t)j * k * lines * 16;
-        const int asks = (g1 - g0 > 1 && last) || j * lines >= 4 ? 0 : lines;
+    const float *ask = !last ? panel + (int64_t)k * PANEL : g1 - g0 == 1 ? panel + AHEAD * PANEL : NULL;
+    for (int g = g0; g < g1; g++)
         group_panel(x + g * ROWS * x_stride, x_stride, panel, k,
                     m - g * ROWS < ROWS ? m - g * ROWS : ROWS, bias, cols,
-                    out + g * ROWS * out_stride, out_stride, ask, asks);
-    }
+                    out + g * ROWS * out_stride, out_stride, ask, g - g0, g1 - g0);
 }
 
 /* out [m, n] (rows out_stride apart) = x [m, k] (rows x_stride apart) times the weight packed

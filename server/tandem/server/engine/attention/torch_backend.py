@@ -6,10 +6,10 @@ place; when enough of them (``SHARED_PAGES``) begin with the same pages (a share
 prompt, a prompt's ``n > 1`` samples), those pages are attended once for all of them
 (``kernels.shared_attention``: in bfloat16 on an AMX CPU every row's queries against the
 packed pages as one prompt, in tiles; in float32 the pages walked once by every row's queries)
-and merged by their softmax sums with the rest (``kernels.merge_attention``). Elsewhere their pages are gathered and attended with two
-``bmm`` calls per group, and the pages every decode of a group shares at the start of its
-block table (a common system prompt, ``n > 1`` siblings) are gathered and attended once for
-all of them. Prefills run one
+and merged by their softmax sums with the rest (``kernels.merge_attention``). Elsewhere their
+pages are gathered and attended with two ``bmm`` calls per group, and the pages every decode
+of a group shares at the start of its block table (a common system prompt, ``n > 1``
+siblings) are gathered and attended once for all of them. Prefills run one
 ``scaled_dot_product_attention`` call each, so no prompt pays for another's padding; on an
 AVX-512 CPU, one call each of ``kernels.prefill_attention`` instead (bfloat16 where the CPU
 has AVX512-BF16).
@@ -37,8 +37,9 @@ class SharedPages:
 
 
 # bfloat16 on AMX tiles: with two query heads a KV head or more, the sixteen rows of a tile.
-# float32 (``shared_decode``, kernels/paged_decode.c): 16 rows sharing 256 tokens ran 0.9x the time of each row
-# reading them (1,024: 0.75x); 8 or 12 rows, or 128 tokens, no faster (docs/performance.md).
+# float32 (``shared_decode``, kernels/paged_decode.c): 16 rows sharing 256 tokens ran 0.85x
+# the time of each row reading them (1,024: 0.76x); 8 or 12 rows, or 128 tokens, no faster
+# (docs/performance.md).
 SHARED_PAGES = {torch.bfloat16: SharedPages(8, 64), torch.float32: SharedPages(16, 256)}
 
 

@@ -213,8 +213,7 @@ class DecodeChain:
         row_tables = [table for table, q in zip(block_tables, query_lens) for _ in range(q)]
         lens = [p + 1 for p in positions]
         decodes = all(q == 1 for q in query_lens)
-        least = self.shared_pages
-        shared = shared_start(row_tables, lens, bs, least) if least and decodes else 0
+        shared = shared_start(row_tables, lens, bs, self.shared_pages) if decodes else 0
         lens = [n - shared * bs for n in lens]
         width = -(-max(lens) // bs)
         tables = torch.tensor(

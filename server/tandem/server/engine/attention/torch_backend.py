@@ -153,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
         bs = self.kv_cache.block_size
         lens = [layout.kv_lens[i] for i in idx]
         tables = [layout.block_tables[i] for i in idx]
-        shared = shared_start(tables, lens, bs, self.shared_pages) if self.shared_pages else 0
+        shared = shared_start(tables, lens, bs, self.shared_pages)
         lens = [n - shared * bs for n in lens]
         width = -(-max(lens) // bs)
         rows = [starts[i] for i in idx]
@@ -297,13 +297,14 @@ def _split_by_length(idx: list[int], layout: BatchLayout) -> list[list[int]]:
 
 
 def shared_start(
-    tables: list[list[int]], lens: list[int], block_size: int, least: SharedPages
+    tables: list[list[int]], lens: list[int], block_size: int, least: SharedPages | None
 ) -> int:
     """How many leading pages the decodes with these block tables and context lengths attend
     to once, together (``kernels.shared_attention``): the whole pages every row holds, leaving
     each row at least its newest token of its own, when ``least.rows`` or more rows share
-    ``least.tokens`` or more tokens; else 0."""
-    if len(tables) < least.rows:
+    ``least.tokens`` or more tokens; else 0 (always 0 where ``least`` is None: no shared
+    pass)."""
+    if least is None or len(tables) < least.rows:
         return 0
     shared = _common_start(tables, (min(lens) - 1) // block_size)
     return shared if shared * block_size >= least.tokens else 0

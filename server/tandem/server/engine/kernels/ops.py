@@ -333,11 +333,13 @@ def quant_gemv_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
 
 def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     rows, k = x.shape
-    if not 1 <= rows <= QUANT_MAX_ROWS or k % QUANT_BLOCK:
-        raise ValueError(f"{name} takes 1..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
+    if not 0 <= rows <= QUANT_MAX_ROWS or k % QUANT_BLOCK:
+        raise ValueError(f"{name} takes 0..{QUANT_MAX_ROWS} rows of 32k values, got {x.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=x.dtype)
+    if not rows:  # a step whose last layer finishes no row (``KeptRows``)
+        return out
     getattr(library.load(), name)(
         x.data_ptr(),
         x.stride(0),

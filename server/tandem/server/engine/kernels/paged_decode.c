@@ -404,6 +404,18 @@ INLINE void shared_values(const float *p, int held, int stride, Rows values, int
     }
 }
 
+/* Scores, softmax and values of the shared pass, specialised by the caller for its head dim
+ * and dtype: the queries' sums overwrite their scaled copies in qs; query j's max and sum go to
+ * lse_of[j]. */
+INLINE void shared_products(float *qs, int held, int n_q, Rows keys, Rows values, int len,
+                            const int chunks, const int bf16, float *scores, int stride,
+                            float *const *lse_of) {
+    shared_scores(qs, held, keys, len, chunks, bf16, scores, stride);
+    for (int j = 0; j < n_q; j++)
+        shared_softmax(scores + (int64_t)j * stride, (len + TILE - 1) / TILE * TILE, lse_of[j]);
+    shared_values(scores, held, stride, values, len, chunks, bf16, qs);
+}
+
 /* The queries j0 .. j0 + n_q - 1 of KV head h against the shared pages: scores (rows `stride`
  * floats apart), softmax, and values, normalised into out ([B, H, D] float32) with each
  * query's max and sum in lse. */
@@ -417,22 +429,15 @@ static void shared_part(const char *q, int64_t q_stride, Rows keys, Rows values,
             _mm512_storeu_ps(qs + r * dim + d, r < n_q ? _mm512_mul_ps(load16(
                 q + (query_at(j0 + r, h, group, q_stride, dim) + d) * elem, bf16),
                 _mm512_set1_ps(scale)) : _mm512_setzero_ps());
-    if (chunks == 4)
-        bf16 ? shared_scores(qs, held, keys, len, 4, 1, scores, stride)
-             : shared_scores(qs, held, keys, len, 4, 0, scores, stride);
-    else
-        bf16 ? shared_scores(qs, held, keys, len, chunks, 1, scores, stride)
-             : shared_scores(qs, held, keys, len, chunks, 0, scores, stride);
+    float *lse_of[PART];
     for (int j = 0; j < n_q; j++)
-        shared_softmax(scores + (int64_t)j * stride, (len + TILE - 1) / TILE * TILE,
-                       lse + 2 * query_at(j0 + j, h, group, heads, 1));
-    /* the queries' sums where their scaled copies were */
+        lse_of[j] = lse + 2 * query_at(j0 + j, h, group, heads, 1);
     if (chunks == 4)
-        bf16 ? shared_values(scores, held, stride, values, len, 4, 1, qs)
-             : shared_values(scores, held, stride, values, len, 4, 0, qs);
+        bf16 ? shared_products(qs, held, n_q, keys, values, len, 4, 1, scores, stride, lse_of)
+             : shared_products(qs, held, n_q, keys, values, len, 4, 0, scores, stride, lse_of);
     else
-        bf16 ? shared_values(scores, held, stride, values, len, chunks, 1, qs)
-             : shared_values(scores, held, stride, values, len, chunks, 0, qs);
+        bf16 ? shared_products(qs, held, n_q, keys, values, len, chunks, 1, scores, stride, lse_of)
+             : shared_products(qs, held, n_q, keys, values, len, chunks, 0, scores, stride, lse_of);
     for (int r = 0; r < n_q; r++)
         memcpy(out + query_at(j0 + r, h, group, (int64_t)heads * dim, dim), qs + r * dim,
                sizeof(float) * dim);

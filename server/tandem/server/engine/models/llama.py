@@ -54,8 +54,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
         out = attn.forward(self.layer_idx, q, k, v, keep)
-        if not len(out):  # no row read (a chunk that does not end its prompt): K and V alone
-            return x[:0]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
@@ -88,8 +86,6 @@ class DecoderLayer(nn.Module):
         out = self.self_attn(rope, x, attn, keep)
         if keep is not None:
             residual = residual[keep.index]
-            if not len(out):
-                return out, residual
         x, residual = self.post_attention_layernorm.add(out, residual)
         return self.mlp(x), residual
 
@@ -123,7 +119,7 @@ class DecoderModel(nn.Module):
         for layer in layers:
             h, residual = layer(rope, h, residual, attn)
         h, residual = last(rope, h, residual, attn, keep)
-        return self.norm.add(h, residual)[0] if len(h) else h
+        return self.norm.add(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

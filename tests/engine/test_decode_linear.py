@@ -1,11 +1,12 @@
 """``kernels.decode_linear`` (a decode step's rows times a weight packed for them: AMX tiles in
-bfloat16, AVX-512 panels in float32) against float64 and torch's own product, and ``Linear``
-taking it for up to ``DECODE_ROWS`` rows.
+bfloat16, AVX-512 panels in float32 and in bfloat16 without tiles) against float64 and torch's
+own product, and ``Linear`` taking it for up to ``DECODE_ROWS`` rows (and, for more, bfloat16
+widened to float32 where ``cpu.widens_bfloat16``).
 
-bfloat16: the tiles sum float32 products of bfloat16 inputs (exact in float32) 32 inputs at a
-time and round the sum once, so the result is within float32 summation error of the float64
-product plus half a bfloat16 step (``2**-8 * |y|``); oneDNN's product sums and rounds the same
-way, so nearly every output is the same bits. float32: each output is the inputs' products
+bfloat16: the tiles (and the panels) sum float32 products of bfloat16 inputs (exact in
+float32) and round the sum once, so the result is within float32 summation error of the
+float64 product plus half a bfloat16 step (``2**-8 * |y|``); oneDNN's product sums and rounds
+the same way, so nearly every output is the same bits. float32: each output is the inputs' products
 summed in order, one FMA each (error at most about ``K * 2**-24 * sum|x * w|``), the same bits
 whatever other rows share the call.
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.server.engine import kernels
+from tandem.server.engine import cpu, kernels
 from tandem.server.engine.kernels import library
 from tandem.server.engine.models.layers import DECODE_ROWS, Linear
 
@@ -25,7 +26,13 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 def need(dtype: torch.dtype) -> None:
     if not kernels.decode_linear_for(torch.device("cpu"), dtype):
-        pytest.skip(f"decode_linear in {dtype} needs AMX (bfloat16) or AVX-512 (float32)")
+        pytest.skip(f"decode_linear in {dtype} needs AVX-512")
+
+
+def onednn(dtype: torch.dtype) -> bool:
+    """Whether ``Linear`` multiplies more than ``DECODE_ROWS`` rows by oneDNN's packed weight
+    here (else, bfloat16 widened to float32)."""
+    return not (dtype == torch.bfloat16 and cpu.widens_bfloat16())
 
 
 def bound(x: torch.Tensor, w: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -95,8 +102,10 @@ def test_linear_takes_it_for_a_decode_step_and_follows_the_weight(dtype) -> None
     with torch.no_grad():
         layer.weight.mul_(2)  # written in place: packed again
     assert close(layer(x))
-    layer(torch.randn(DECODE_ROWS + 1, 96, generator=gen).to(dtype))  # a prefill: oneDNN's
-    assert layer._packed is not None
+    prefill = torch.randn(DECODE_ROWS + 1, 96, generator=gen).to(dtype)
+    exact = F.linear(prefill.double(), layer.weight.double(), layer.bias.double())
+    assert ((layer(prefill).double() - exact).abs() <= bound(prefill, layer.weight, exact)).all()
+    assert (layer._packed is not None) == onednn(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,7 +115,7 @@ def test_moving_the_weight_drops_the_copies(dtype) -> None:
     layer = Linear(96, 80, bias=False).to(dtype)
     layer(torch.randn(4, 96).to(dtype))
     layer(torch.randn(DECODE_ROWS + 1, 96).to(dtype))
-    assert layer._decode is not None and layer._packed is not None
+    assert layer._decode is not None and (layer._packed is not None) == onednn(dtype)
     layer.to_empty(device=torch.device("meta"))
     assert layer._decode is None and layer._packed is None
 
@@ -118,7 +127,8 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_passes_bits(
 ) -> None:
     """``tile_linear_silu`` (the decode chain's gate|up and SiLU * up on AMX tiles) writes
     exactly what ``silu_and_mul`` makes of ``decode_linear``'s [gate | up]."""
-    need(torch.bfloat16)
+    if kernels.decode_kernel(torch.bfloat16)[2] != "tile_linear_silu":
+        pytest.skip("tile_linear_silu needs AMX tiles")
     gen = torch.Generator().manual_seed(rows + inter)
     w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -129,3 +139,26 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_passes_bits(
         x.data_ptr(), k, rows, k, packed.data_ptr(), inter, got.data_ptr(), inter, 2
     )
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (100, 70), (17, 32)])
+@pytest.mark.parametrize("rows", [1, 6, 7, 33])
+def test_bfloat16_panels_match_float64_where_tiles_would_run_too(n: int, k: int, rows: int) -> None:
+    """``panel_linear_bf16`` (what bfloat16 decodes take without AMX), called where the tiles
+    are chosen as well: every AVX-512 machine checks it."""
+    lib = library.load()
+    if lib is None or not hasattr(lib, "panel_linear_bf16"):
+        pytest.skip("panel_linear_bf16 needs AVX-512")
+    gen = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    packed = torch.empty(-(-n // 64) * 64 * k, dtype=torch.bfloat16)
+    lib.panel_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    lib.panel_linear_bf16(
+        x.data_ptr(), k, rows, k, packed.data_ptr(), n, bias.data_ptr(), y.data_ptr(), n, 2
+    )
+    exact = F.linear(x.double(), w.double(), bias.double())
+    assert ((y.double() - exact).abs() <= bound(x, w, exact) + 1e-30).all()
+    assert (y == F.linear(x, w, bias)).double().mean().item() > 0.99

@@ -50,7 +50,8 @@ class _Layer(ctypes.Structure):
         ("block_stride", ctypes.c_int64 * 4),
         ("qtype", _I * 4),
         ("gemv", _P * 4),
-        ("decode_linears", _I),
+        ("linear", _P),
+        ("linear_silu", _P),
         ("k_pages", _P),
         ("v_pages", _P),
     ]
@@ -162,7 +163,10 @@ class DecodeChain:
         lib = kernels.library.load()
         k_pages, v_pages = self.kv_cache.layer(i)
         bias = layer.self_attn.qkv_proj.bias
+        products = [None, None]  # the decode product and its gate|up with SiLU, by address
         if self.decode_linears:
+            product, _, silu = kernels.decode_kernel(self.dtype)
+            products = [_address(lib, product), silu and _address(lib, silu)]
             weights = [lin.decode_weight() for lin in linears]
             blocks, strides, qtypes, gemv = (
                 [w.data_ptr() for w in weights],
@@ -183,7 +187,7 @@ class DecodeChain:
             (ctypes.c_int64 * 4)(*strides),
             (_I * 4)(*qtypes),
             (_P * 4)(*gemv),
-            int(self.decode_linears),
+            *products,
             k_pages.data_ptr(),
             v_pages.data_ptr(),
         )

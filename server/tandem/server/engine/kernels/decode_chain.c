@@ -23,9 +23,12 @@
 typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                         void *y, int64_t y_stride, int rows, int N, int K, int qtype, int bf16,
                         int threads);
-/* Built only with AMX: where it is not, the Python side never asks for tiles. */
-#pragma weak tile_linear
-#pragma weak tile_linear_silu
+/* A decode product of a weight packed for it (tile_linear, panel_linear_bf16, panel_linear),
+ * and gate|up with SiLU * up in one pass (tile_linear_silu): kernels/ops.py's decode_kernel. */
+typedef void (*linear_fn)(const void *x, int64_t x_stride, int m, int k, const void *packed,
+                          int n, const void *bias, void *out, int64_t out_stride, int threads);
+typedef void (*silu_fn)(const void *x, int64_t x_stride, int m, int k, const void *packed,
+                        int inter, void *out, int64_t out_stride, int threads);
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -35,7 +38,8 @@ typedef struct { /* one layer's weights (model dtype) and its pages of the KV ca
     int64_t block_stride[4];  /* bytes between two output rows' blocks */
     int qtype[4];
     gemv_fn gemv[4];    /* each linear's block kernel (Linear.kernel), with blocks */
-    int decode_linears; /* 1: packed for tile_linear (bfloat16) or panel_linear (float32) */
+    linear_fn linear;   /* with decode_pack's copies; NULL with GGUF blocks */
+    silu_fn linear_silu; /* gate|up and SiLU * up in one pass, where the product has one */
     void *k_pages, *v_pages; /* [blocks, block_size, kv_heads, head_dim] */
 } chain_layer;
 
@@ -69,14 +73,8 @@ static void add_rows(void *dst, const void *add, int64_t n, int bf16) {
  * oneDNN's product does; GGUF blocks after, as Linear adds it to quant_gemv's result. */
 static void product(const chain_layer *l, const chain_step *s, int which, const char *x, int K,
                     char *y, int N, const void *bias) {
-    if (l->decode_linears && s->bf16) {
-        tile_linear((const uint16_t *)x, K, s->rows, K, (const uint16_t *)l->blocks[which], N,
-                    bias, (uint16_t *)y, N, s->threads);
-        return;
-    }
-    if (l->decode_linears) {
-        panel_linear((const float *)x, K, s->rows, K, (const float *)l->blocks[which], N, bias,
-                     (float *)y, N, s->threads);
+    if (l->linear) {
+        l->linear(x, K, s->rows, K, l->blocks[which], N, bias, y, N, s->threads);
         return;
     }
     l->gemv[which](x, K, l->blocks[which], l->block_stride[which], y, N, s->rows, N, K,
@@ -133,9 +131,8 @@ static void mlp(const chain_layer *l, const chain_step *s, char *h, char *xn, ch
                 char *act, char *o) {
     const int bf16 = s->bf16, t = s->threads, n = s->rows, H = s->hidden, I = s->inter;
     rms_norm(h, xn, l->post_norm, n, H, H, s->eps, bf16, t);
-    if (l->decode_linears && bf16 && I % 32 == 0) { /* gate|up and SiLU * up in one pass */
-        tile_linear_silu((const uint16_t *)xn, H, n, H, (const uint16_t *)l->blocks[GATE_UP], I,
-                         (uint16_t *)act, I, t);
+    if (l->linear_silu && I % 32 == 0) {
+        l->linear_silu(xn, H, n, H, l->blocks[GATE_UP], I, act, I, t);
     } else {
         product(l, s, GATE_UP, xn, H, gate_up, 2 * I, NULL);
         silu_mul(gate_up, act, n, I, bf16, t);

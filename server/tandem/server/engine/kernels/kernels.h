@@ -55,6 +55,10 @@ void tile_linear_silu(const uint16_t *x, int64_t x_stride, int m, int k, const u
 void panel_pack(const float *w, int n, int k, float *out);
 void panel_linear(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
                   const float *bias, float *out, int64_t out_stride, int threads);
+void panel_pack_bf16(const uint16_t *w, int n, int k, uint16_t *out);
+void panel_linear_bf16(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed,
+                       int n, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                       int threads);
 
 /* greedy.c (AVX-512) */
 void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16, int threads,

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from .. import cpu
 from . import library
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -156,8 +157,14 @@ def prefill_attention(
     q, out: ``[q_len, H, D]``; k, v: ``[kv_len, H_kv, D]`` (rows of the step's q|k|v, or
     gathered pages), read where they lie when each row holds its heads contiguous (and k and
     v lie alike), copied otherwise. Query i sits at position ``kv_len - q_len + i`` and
-    attends to the keys up to it.
+    attends to the keys up to it. bfloat16 runs as float32 where that is faster
+    (``cpu.widens_bfloat16``).
     """
+    if q.dtype == torch.bfloat16 and cpu.widens_bfloat16():
+        wide = torch.empty(out.shape)
+        prefill_attention(q.float(), k.float(), v.float(), scale, wide)
+        out.copy_(wide)
+        return
     q_len, heads, dim = q.shape
     kv_len, kv_heads, _ = k.shape
     if not _heads_in_rows(q):
@@ -357,42 +364,49 @@ def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int)
     return out
 
 
-# A decode step's rows times a weight packed for them: the kernel of each dtype (its library
-# function, and the one that packs a weight for it).
+# A decode step's rows times a weight packed for them: per dtype, the kernels in the order
+# preferred (the library's product, the function that packs a weight for it, and the one of
+# gate|up with SiLU * up in one pass, if any); the first the library holds and may run.
 DECODE_KERNELS = {
-    torch.bfloat16: ("tile_linear", "tile_pack"),
-    torch.float32: ("panel_linear", "panel_pack"),
+    torch.bfloat16: (
+        ("tile_linear", "tile_pack", "tile_linear_silu"),
+        ("panel_linear_bf16", "panel_pack_bf16", None),
+    ),
+    torch.float32: (("panel_linear", "panel_pack", None),),
 }
 
 
 def decode_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``decode_linear`` runs here: bfloat16 in AMX tiles (``tile_linear.c``: Sapphire
-    Rapids and later, the tiles granted to the process), float32 in AVX-512 panels
+    Rapids and later, the tiles granted to the process), else, like float32, in AVX-512 panels
     (``panel_linear.c``)."""
-    return device.type == "cpu" and dtype in DECODE_KERNELS and _decode_kernel_built(dtype)
+    return device.type == "cpu" and decode_kernel(dtype) is not None
 
 
 @functools.cache
-def _decode_kernel_built(dtype: torch.dtype) -> bool:
-    """Asked once: every linear layer of a decode step asks."""
+def decode_kernel(dtype: torch.dtype) -> tuple[str, str, str | None] | None:
+    """``DECODE_KERNELS``' choice for ``dtype`` here, asked once (every linear layer of a
+    decode step asks)."""
     lib = library.load()
-    name = DECODE_KERNELS[dtype][0]
-    if lib is None or not hasattr(lib, name):
-        return False
-    return name != "tile_linear" or lib.tile_linear_tiles() == 1
+    for names in DECODE_KERNELS.get(dtype, ()):
+        if lib is not None and hasattr(lib, names[0]):
+            if names[0] != "tile_linear" or lib.tile_linear_tiles() == 1:
+                return names
+    return None
 
 
 def decode_pack(w: torch.Tensor) -> torch.Tensor:
     """A weight ``[N, K]`` (``nn.Linear``'s) in its dtype's ``decode_linear`` layout: a flat
-    copy, N and K rounded up to 32 in bfloat16 (tiles), N up to 64 in float32 (panels)."""
+    copy, N and K rounded up to 32 for AMX tiles, N up to 64 for panels."""
     n, k = w.shape
     w = w.contiguous()
-    if w.dtype == torch.bfloat16:
+    product, pack, _ = decode_kernel(w.dtype)
+    if product == "tile_linear":
         size = -(-n // 32) * 32 * -(-k // 32) * 32
     else:
         size = -(-n // 64) * 64 * k
     out = torch.empty(size, dtype=w.dtype)
-    getattr(library.load(), DECODE_KERNELS[w.dtype][1])(w.data_ptr(), n, k, out.data_ptr())
+    getattr(library.load(), pack)(w.data_ptr(), n, k, out.data_ptr())
     return out
 
 
@@ -406,7 +420,7 @@ def decode_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
-    getattr(library.load(), DECODE_KERNELS[x.dtype][0])(
+    getattr(library.load(), decode_kernel(x.dtype)[0])(
         x.data_ptr(),
         x.stride(0),
         m,

@@ -22,6 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
+#include "vector16.h"
+
 #define PANEL 64 /* output columns a panel holds: four vectors */
 #define ROWS 6    /* rows a pass over a panel takes: 24 accumulators */
 #define AHEAD 8   /* inputs a lone pass asks for into L2 ahead of its loads */
@@ -38,22 +41,53 @@ void panel_pack(const float *w, int n, int k, float *out) {
             }
 }
 
-/* `rows` (a constant where inlined) rows of x times one panel, plus bias, into out's
- * first `cols` columns. Pass j of `passes` over the panel asks for its share of the 4 k cache
- * lines from `ask` on (NULL: none) into L2, spread evenly over its inputs: 4 / passes a
- * input, the passes together asking for each line once. */
-INLINE void rows_panel(const float *x, int64_t x_stride, const float *panel, int k, const int rows,
-                       const float *bias, int cols, float *out, int64_t out_stride,
-                       const float *ask, int j, int passes) {
+/* The same panels in bfloat16, each input's 64 columns as 32 words of two: word d of the
+ * first half holds columns d (low) and 16 + d (high), of the second 32 + d and 48 + d, so
+ * that a shift and a mask make the four float32 vectors (one instruction each, where
+ * converting 16 bfloat16 values takes two). */
+void panel_pack_bf16(const uint16_t *w, int n, int k, uint16_t *out) {
+    for (int p = 0; p < (n + PANEL - 1) / PANEL; p++)
+        for (int i = 0; i < k; i++)
+            for (int half = 0; half < 2; half++)
+                for (int d = 0; d < 16; d++)
+                    for (int hi = 0; hi < 2; hi++) {
+                        const int col = PANEL * p + 32 * half + 16 * hi + d;
+                        *out++ = col < n ? w[(int64_t)col * k + i] : 0;
+                    }
+}
+
+/* Input i's 64 weights of a panel as four float32 vectors (exact in either dtype). */
+INLINE void panel_weights(const char *panel, int64_t i, const int bf16, __m512 w[4]) {
+    if (!bf16) {
+        for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps((const float *)panel + i * PANEL + 16 * v);
+        return;
+    }
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int half = 0; half < 2; half++) {
+        const __m512i words = _mm512_loadu_si512(panel + (i * PANEL + 32 * half) * 2);
+        w[2 * half] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+        w[2 * half + 1] = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+    }
+}
+
+/* `rows` (a constant where inlined) rows of x (float32) times one panel, plus bias, into out's
+ * first `cols` columns, in float32 or rounded to bfloat16 once. Pass j of `passes` over the
+ * panel asks for its share of the panel's cache lines (`lines` an input) from `ask` on (NULL:
+ * none) into L2, spread evenly over its inputs, the passes together asking for each line
+ * once. */
+INLINE void rows_panel(const float *x, int64_t x_stride, const char *panel, int k, const int rows,
+                       const char *bias, int cols, char *out, int64_t out_stride,
+                       const char *ask, int j, int passes, const int bf16) {
+    const int lines = bf16 ? 2 : 4, elem = bf16 ? 2 : 4;
     __m512 acc[ROWS][4];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
-    int64_t line = (int64_t)j * k * 4 / passes; /* the next line to ask for */
-    int due = (int)((int64_t)j * k * 4 % passes); /* passes-ths of a line owed */
+    int64_t line = (int64_t)j * k * lines / passes; /* the next line to ask for */
+    int due = (int)((int64_t)j * k * lines % passes); /* passes-ths of a line owed */
     for (int i = 0; i < k; i++) {
-        for (due += ask ? 4 : 0; due >= passes; due -= passes)
-            _mm_prefetch((const char *)(ask + 16 * line++), _MM_HINT_T1);
+        for (due += ask ? lines : 0; due >= passes; due -= passes)
+            _mm_prefetch(ask + 64 * line++, _MM_HINT_T1);
         __m512 w[4];
-        for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + (int64_t)i * PANEL + 16 * v);
+        panel_weights(panel, i, bf16, w);
         for (int r = 0; r < rows; r++) {
             const __m512 xr = _mm512_set1_ps(x[r * x_stride + i]);
             for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(xr, w[v], acc[r][v]);
@@ -62,18 +96,33 @@ INLINE void rows_panel(const float *x, int64_t x_stride, const float *panel, int
     for (int v = 0; v < 4; v++) {
         const int left = cols - 16 * v;
         const __mmask16 keep = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + 16 * v) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, keep, _mm512_add_ps(acc[r][v], b));
+        __m512 b = _mm512_setzero_ps();
+        if (bias && bf16)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_maskz_loadu_epi16(keep, bias + 2 * 16 * v)), 16));
+        else if (bias)
+            b = _mm512_maskz_loadu_ps(keep, bias + 4 * 16 * v);
+        for (int r = 0; r < rows; r++) {
+            char *to = out + (r * out_stride + 16 * v) * elem;
+            const __m512 y = _mm512_add_ps(acc[r][v], b);
+            if (bf16 && keep == 0xffff)
+                store16(to, y, 1);
+            else if (bf16)
+                for (int c = 0; c < left; c++) store(to, c, y[c], 1);
+            else
+                _mm512_mask_storeu_ps(to, keep, y);
+        }
     }
 }
 
 /* Up to ROWS rows of x times one panel: the row count made a constant. */
-static void group_panel(const float *x, int64_t x_stride, const float *panel, int k, int rows,
-                        const float *bias, int cols, float *out, int64_t out_stride,
-                        const float *ask, int j, int passes) {
-#define ROWS_CASE(R) \
-    case R: return rows_panel(x, x_stride, panel, k, R, bias, cols, out, out_stride, ask, j, passes);
+INLINE void group_panel(const float *x, int64_t x_stride, const char *panel, int k, int rows,
+                        const char *bias, int cols, char *out, int64_t out_stride,
+                        const char *ask, int j, int passes, const int bf16) {
+#define ROWS_CASE(R)                                                                           \
+    case R:                                                                                    \
+        return rows_panel(x, x_stride, panel, k, R, bias, cols, out, out_stride, ask, j, passes, \
+                          bf16);
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
     }
@@ -89,25 +138,28 @@ static void group_panel(const float *x, int64_t x_stride, const float *panel, in
  * 1.34 -> 1.57, lm_head 1.0 -> 1.4-1.7). Spread over all the passes' inputs rather than a
  * line an input in the first four, the asks cost the default model's 30 layers 0.97x the
  * time at 16 rows, 0.91x at 32 and 0.85x at 64 (alternating in one process, 11 runs). */
-static void panel_passes(const float *x, int64_t x_stride, int m, int k, const float *panel,
-                         int g0, int g1, int last, const float *bias, int cols, float *out,
-                         int64_t out_stride) {
-    const float *ask = !last ? panel + (int64_t)k * PANEL : g1 - g0 == 1 ? panel + AHEAD * PANEL : NULL;
+INLINE void panel_passes(const float *x, int64_t x_stride, int m, int k, const char *panel,
+                         int g0, int g1, int last, const char *bias, int cols, char *out,
+                         int64_t out_stride, const int bf16) {
+    const int64_t bytes = (int64_t)k * PANEL * (bf16 ? 2 : 4), ahead = AHEAD * PANEL * (bf16 ? 2 : 4);
+    const char *ask = !last ? panel + bytes : g1 - g0 == 1 ? panel + ahead : NULL;
     for (int g = g0; g < g1; g++)
         group_panel(x + g * ROWS * x_stride, x_stride, panel, k,
                     m - g * ROWS < ROWS ? m - g * ROWS : ROWS, bias, cols,
-                    out + g * ROWS * out_stride, out_stride, ask, g - g0, g1 - g0);
+                    out + g * ROWS * out_stride * (bf16 ? 2 : 4), out_stride, ask, g - g0,
+                    g1 - g0, bf16);
 }
 
-/* out [m, n] (rows out_stride apart) = x [m, k] (rows x_stride apart) times the weight packed
- * by panel_pack, plus bias [n] (or NULL), float32. The threads split the (panel, pass) pairs
- * into consecutive runs, so each panel streams in once (twice where two threads split it)
- * and meets its groups of ROWS rows while in L2; splitting pairs rather than panels evens
- * out a panel count the threads do not divide (nine for the default model's 576 outputs). */
-void panel_linear(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
-                  const float *bias, float *out, int64_t out_stride, int threads) {
+/* The threads split the (panel, pass) pairs into consecutive runs, so each panel streams in
+ * once (twice where two threads split it) and meets its groups of ROWS rows while in L2;
+ * splitting pairs rather than panels evens out a panel count the threads do not divide (nine
+ * for the default model's 576 outputs). x: float32 rows; the weight, bias and out in float32
+ * or bfloat16. */
+static void panel_product(const float *x, int64_t x_stride, int m, int k, const char *packed, int n,
+                          const char *bias, char *out, int64_t out_stride, int threads,
+                          int bf16) {
     const int panels = (n + PANEL - 1) / PANEL, passes = (m + ROWS - 1) / ROWS;
-    const int64_t pairs = (int64_t)panels * passes;
+    const int64_t pairs = (int64_t)panels * passes, elem = bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -115,12 +167,38 @@ void panel_linear(const float *x, int64_t x_stride, int m, int k, const float *p
         for (int64_t u = pairs * t / nt; u < end;) {
             const int p = (int)(u / passes), g0 = (int)(u % passes);
             const int g1 = end - (int64_t)p * passes < passes ? (int)(end - (int64_t)p * passes) : passes;
-            const int cols = n - PANEL * p < PANEL ? n - PANEL * p : PANEL;
-            panel_passes(x, x_stride, m, k, packed + (int64_t)p * k * PANEL, g0, g1,
-                         (int64_t)(p + 1) * passes >= end, bias ? bias + PANEL * p : NULL, cols,
-                         out + PANEL * p, out_stride);
+            const int cols = n - PANEL * p < PANEL ? n - PANEL * p : PANEL, last = (int64_t)(p + 1) * passes >= end;
+            const char *panel = packed + (int64_t)p * k * PANEL * elem;
+            const char *b = bias ? bias + PANEL * p * elem : NULL;
+            if (bf16)
+                panel_passes(x, x_stride, m, k, panel, g0, g1, last, b, cols, out + PANEL * p * elem, out_stride, 1);
+            else
+                panel_passes(x, x_stride, m, k, panel, g0, g1, last, b, cols, out + PANEL * p * elem, out_stride, 0);
             u = (int64_t)p * passes + g1;
         }
     }
+}
+
+/* out [m, n] (rows out_stride apart) = x [m, k] (rows x_stride apart) times the weight packed
+ * by panel_pack, plus bias [n] (or NULL), float32. */
+void panel_linear(const float *x, int64_t x_stride, int m, int k, const float *packed, int n,
+                  const float *bias, float *out, int64_t out_stride, int threads) {
+    panel_product(x, x_stride, m, k, (const char *)packed, n, (const char *)bias, (char *)out,
+           out_stride, threads, 0);
+}
+
+/* The same in bfloat16 (weight packed by panel_pack_bf16), where there are no AMX tiles: x
+ * widened to float32 first, each output the float32 sum over the inputs in order (exact
+ * products), plus bias, rounded once. Decode products read the weights' bytes once a step, so
+ * bfloat16 weights halve what float32 panels of the same model read. */
+void panel_linear_bf16(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed,
+                       int n, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                       int threads) {
+    float *wide = malloc(sizeof(float) * (size_t)m * k);
+    for (int r = 0; r < m; r++)
+        for (int i = 0; i < k; i++) wide[(int64_t)r * k + i] = from_bf16(x[r * x_stride + i]);
+    panel_product(wide, k, m, k, (const char *)packed, n, (const char *)bias, (char *)out, out_stride,
+           threads, 1);
+    free(wide);
 }
 #endif

@@ -11,7 +11,7 @@ ops; ``quant_gemv.c`` multiplies a few rows by weights kept in GGUF's Q8_0 / Q4_
 blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to int8 per
 block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c`` multiply a
 decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
-(float32); ``decode_chain.c`` runs every decoder layer of a
+(float32, and bfloat16 without AMX); ``decode_chain.c`` runs every decoder layer of a
 small decode step in one call, chaining the others; ``greedy.c`` is greedy sampling's argmax
 over the logits in the model's dtype. ``kernels.h`` declares what they export,
 ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
@@ -29,8 +29,8 @@ from .ops import (
     argmax_rows,
     argmax_rows_for,
     cpu_kernels_for,
-    decode_linear,
     decode_kernel,
+    decode_linear,
     decode_linear_for,
     decode_pack,
     merge_attention,

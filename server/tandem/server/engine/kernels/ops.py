@@ -78,7 +78,8 @@ def paged_decode(
 
 def shared_attention_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``shared_attention`` pays here: bfloat16 on AMX tiles, float32 on AVX-512
-    (``shared_decode``; bfloat16 without tiles takes that too, unmeasured, so not here)."""
+    (``shared_decode``; bfloat16 without tiles takes that too, measured within the noise, so
+    not here)."""
     if dtype == torch.float32:
         return paged_decode_for(device, dtype, head_dim)
     return (

@@ -722,7 +722,8 @@ static void pack_pages(const char *k, const char *v, const int32_t *pages, int n
 }
 
 /* Whether shared_attention runs on tiles here (AMX built and granted): read by kernels/ops.py,
- * which has bfloat16 shared pages attended apart only on tiles (without, unmeasured). */
+ * which has bfloat16 shared pages attended apart only on tiles (without: measured within the
+ * noise). */
 int shared_attention_tiles(void) { return HAVE_AMX && amx_permitted(); }
 
 /* Decodes that share their leading pages (a common system prompt, a prompt's n > 1 samples)

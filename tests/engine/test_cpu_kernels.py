@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.server.engine import kernels
+from tandem.server.engine import cpu, kernels
 from tandem.server.engine.models.layers import RMSNorm
 from tandem.server.engine.models.rope import RotaryEmbedding, _apply
 
@@ -208,6 +208,23 @@ def test_prefill_attention_matches_float64(
     kernels.prefill_attention(q, k, v, head_dim**-0.5, out)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), _causal_float64(q, k, v), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("widens", [False, True])
+def test_bfloat16_prefill_attention_widened_or_not_matches_float64(
+    monkeypatch: pytest.MonkeyPatch, widens: bool
+) -> None:
+    """Whichever way ``cpu.widens_bfloat16`` decides (dot pairs or tiles in bfloat16, or the
+    float32 kernel on the widened operands, rounded back), within bfloat16's tolerance."""
+    if not kernels.prefill_attention_for(torch.device("cpu"), torch.bfloat16, 64):
+        pytest.skip("the C prefill kernel needs AVX-512 and AVX512-BF16")
+    monkeypatch.setattr(cpu, "widens_bfloat16", lambda: widens)
+    qkv = _rand(200, 15 * 64, dtype=torch.bfloat16, seed=6) / 3
+    q = qkv[130:, : 9 * 64].view(70, 9, 64)
+    k, v = (qkv[:, a : a + 3 * 64].view(200, 3, 64) for a in (9 * 64, 12 * 64))
+    out = torch.empty(70, 9, 64, dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k, v, 64**-0.5, out)
+    torch.testing.assert_close(out.double(), _causal_float64(q, k, v), rtol=2e-2, atol=2e-2)
 
 
 def _causal_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -162,3 +162,21 @@ def test_bfloat16_panels_match_float64_where_tiles_would_run_too(n: int, k: int,
     exact = F.linear(x.double(), w.double(), bias.double())
     assert ((y.double() - exact).abs() <= bound(x, w, exact) + 1e-30).all()
     assert (y == F.linear(x, w, bias)).double().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("widens", [False, True])
+def test_bfloat16_products_past_decode_rows_widened_or_not(
+    monkeypatch: pytest.MonkeyPatch, widens: bool
+) -> None:
+    """More than ``DECODE_ROWS`` bfloat16 rows: oneDNN's packed product, or (where
+    ``cpu.widens_bfloat16``) float32 products of the widened operands, rounded once, no
+    packed copy kept; either within the bound and nearly every output torch's bits."""
+    monkeypatch.setattr(cpu, "widens_bfloat16", lambda: widens)
+    gen = torch.Generator().manual_seed(4)
+    layer = Linear(576, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(DECODE_ROWS + 30, 576, generator=gen).to(torch.bfloat16)
+    y = layer(x)
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert ((y.double() - exact).abs() <= bound(x, layer.weight, exact) + 1e-30).all()
+    assert (y == F.linear(x, layer.weight, layer.bias)).double().mean().item() > 0.99
+    assert (layer._packed is None) is widens

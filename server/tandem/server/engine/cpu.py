@@ -31,7 +31,11 @@ def widens_bfloat16() -> bool:
     and prefill attention's dot pairs 1.6x its float32 (two Emerald Rapids cores without
     AMX). AMX's tiles, and AMD's Zen 4 (dot pairs at twice its FMAs' rate), keep bfloat16;
     a CPU without AVX512-BF16 (bfloat16 products emulated) widens too."""
-    vendor, have = _cpuinfo()
-    if "amx_bf16" in have:
+    return widens(*_cpuinfo())
+
+
+def widens(vendor: str, flags: frozenset[str]) -> bool:
+    """``widens_bfloat16``'s rule for a CPU of this vendor and these flags."""
+    if "amx_bf16" in flags:
         return False
-    return not (vendor == "AuthenticAMD" and "avx512_bf16" in have)
+    return not (vendor == "AuthenticAMD" and "avx512_bf16" in flags)

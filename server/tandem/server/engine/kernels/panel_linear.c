@@ -1,4 +1,5 @@
-/* float32 products of a decode step's few rows by a weight kept in column panels (AVX-512).
+/* float32 products of a decode step's few rows by a weight kept in column panels (AVX-512),
+ * and the same loop over bfloat16 weights where there are no AMX tiles (panel_linear_bf16).
  *
  * oneDNN's packed float32 product ran the default model's 30 layers and lm_head at 33 ms for
  * one row (the weights' 540 MB at memory speed) but 58 ms at 16 rows and 85 ms at 32 on two
@@ -12,8 +13,9 @@
  * can call, with no Python between the layers.
  *
  * Every output is the sum over the inputs in their order, one FMA each, plus the bias: the
- * same bits whatever other rows share the step (speculation's exactness rests on that). Its
- * reference is the float64 product (tests/engine/test_decode_linear.py). */
+ * same bits whatever other rows share the step (speculation's exactness rests on that); in
+ * bfloat16 that sum rounded once. Its reference is the float64 product
+ * (tests/engine/test_decode_linear.py). */
 #include "kernels.h"
 
 #ifdef __AVX512F__

@@ -22,6 +22,7 @@ def flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
+@functools.cache
 def widens_bfloat16() -> bool:
     """Whether bfloat16's large products and prefill attention run faster as float32 here
     (the operands widened, exactly; the sums in float32 either way): on Intel cores without
@@ -30,7 +31,8 @@ def widens_bfloat16() -> bool:
     layers took 1.35-1.75x the time of float32 ones of the widened operands at 128-2,048 rows,
     and prefill attention's dot pairs 1.6x its float32 (two Emerald Rapids cores without
     AMX). AMX's tiles, and AMD's Zen 4 (dot pairs at twice its FMAs' rate), keep bfloat16;
-    a CPU without AVX512-BF16 (bfloat16 products emulated) widens too."""
+    a CPU without AVX512-BF16 (bfloat16 products emulated) widens too. Asked once: every
+    large bfloat16 product asks."""
     return widens(*_cpuinfo())
 
 

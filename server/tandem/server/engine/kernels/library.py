@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .. import cpu
 from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,7 @@ def _build_key(compiler: str) -> str:
     for f in SOURCES + HEADERS:
         h.update(f.read_bytes())
     h.update(" ".join([compiler, *FLAGS]).encode())
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        h.update(next((ln for ln in lines if ln.startswith("flags")), "").encode())
+    h.update(" ".join(sorted(cpu.flags())).encode())
     return h.hexdigest()[:16]
 
 

@@ -582,11 +582,11 @@ typedef struct {
 } Scratch;
 
 static Scratch scratch_new(int dim, int amx) {
-    Scratch w = {malloc(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
-                 malloc(sizeof(float) * (CHUNK + AMX_ROWS) * (size_t)dim), /* a padded group past a chunk */
-                 malloc(sizeof(float) * AMX_ROWS * (size_t)dim),
-                 malloc(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
-                 malloc(sizeof(uint16_t) * AMX_ROWS * (size_t)dim),
+    Scratch w = {alloc64(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
+                 alloc64(sizeof(float) * (CHUNK + AMX_ROWS) * (size_t)dim), /* a padded group past a chunk */
+                 alloc64(sizeof(float) * AMX_ROWS * (size_t)dim),
+                 alloc64(sizeof(float) * SCRATCH_ROWS * KEY_BLOCK),
+                 alloc64(sizeof(uint16_t) * AMX_ROWS * (size_t)dim),
                  malloc(sizeof(Running) * (CHUNK + AMX_ROWS)), amx};
     if (amx) amx_configure();
     return w;
@@ -679,7 +679,7 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
     const int chunk = even < unit ? unit : (even > CHUNK ? CHUNK : even);
     const int parts = (q_len + chunk - 1) / chunk;
     const size_t packed = sizeof(float) * (size_t)padded * dim; /* bytes per head */
-    char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
+    char *kt = alloc64(packed * kv_heads), *vp = alloc64(packed * kv_heads);
 #pragma omp parallel num_threads(threads)
     {
         Scratch w = scratch_new(dim, amx);
@@ -749,8 +749,8 @@ void shared_attention(const void *q, int64_t q_stride, const void *k, const void
     const int chunk = half < AMX_ROWS ? AMX_ROWS : (half > CHUNK ? CHUNK : half);
     const int parts = (rows + chunk - 1) / chunk;
     const size_t packed = sizeof(float) * (size_t)padded * dim, row_bytes = (size_t)dim * elem;
-    char *kt = malloc(packed * kv_heads), *vp = malloc(packed * kv_heads);
-    char *qh = malloc(row_bytes * rows * kv_heads); /* [kv_heads][batch * group] query rows */
+    char *kt = alloc64(packed * kv_heads), *vp = alloc64(packed * kv_heads);
+    char *qh = alloc64(row_bytes * rows * kv_heads); /* [kv_heads][batch * group] query rows */
     for (int b = 0; b < batch; b++)
         for (int head = 0; head < heads; head++)
             memcpy(qh + ((int64_t)(head / group) * rows + b * group + head % group) * row_bytes,

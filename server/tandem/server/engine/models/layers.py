@@ -191,6 +191,46 @@ class PackedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
+    _halves: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
+        self._halves = None
+        return super()._apply(fn, recurse)
+
+    def gates_in_onednn(self, x: torch.Tensor) -> bool:
+        """Whether ``silu_gated`` takes ``x``: a gate|up layer's prefill rows that ``matmul``
+        would hand oneDNN anyway (CPU, the weight's dtype, more than a decode step's rows, not
+        widened), no adapter hooked on the layer."""
+        w = self.weight
+        return (
+            not self._forward_hooks
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[0] > DECODE_ROWS
+            and x.dtype == w.dtype
+            and w.dtype in _PACKED_DTYPES
+            and not (w.dtype == torch.bfloat16 and cpu.widens_bfloat16())
+        )
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gate|up layer as two oneDNN products, SiLU applied to the
+        gate's output and the product with it to the up's while each tile is in cache: the
+        ``[gate | up]`` output, twice the width, written and read again by a pass of its own,
+        never exists (the default model's MLP at 4,096 rows: 0.81x the time in bfloat16,
+        0.83x in float32, two cores). SiLU is taken of the gate's float32 sums and ``up`` is
+        not rounded before the product: in bfloat16 one rounding step from HuggingFace's
+        order in places, in float32 within its rounding."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._halves is None or self._halves[0] != key:
+            gate, up = w.detach().chunk(2)
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            self._halves = (key, reorder(gate, None), reorder(up, None))
+        gate_bias, up_bias = (None, None) if self.bias is None else self.bias.chunk(2)
+        product = torch.ops.mkldnn._linear_pointwise
+        gate = product(x, self._halves[1], gate_bias, "swish", [], "")
+        return product.binary(x, gate, self._halves[2], up_bias, "mul")
+
 
 class RowParallelLinear(Linear):
     """A linear layer whose input columns are split across the TP ranks (o_proj, down_proj).
@@ -227,6 +267,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.gates_in_onednn(x):
+            return self.down_proj(self.gate_up_proj.silu_gated(x))
         gate_up = self.gate_up_proj(x)
         if kernels.cpu_kernels_for(gate_up.device, gate_up.dtype):
             return self.down_proj(kernels.silu_and_mul(gate_up))

@@ -111,24 +111,41 @@ class Linear(nn.Linear):
             self._decode = (key, kernels.decode_pack(w.detach()))
         return self._decode[1]
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> str:
+        """The product ``matmul`` takes for ``x``: ``quantized`` (the GGUF blocks), ``plain``
+        (``F.linear``), ``decode`` (``kernels.decode_linear``), ``widened`` (``_widened``) or
+        ``onednn`` (the packed weight). Decided in one place so that a layer running its own
+        oneDNN products (``PackedLinear.silu_gated``) takes them exactly where ``matmul`` would."""
         w = self.weight
+        few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
         if (
             self.quantized is not None
             and x.dim() == 2
             and x.shape[0] <= QUANT_ROWS
             and self._quantized_for == (w.data_ptr(), w._version)
         ):
+            return "quantized"
+        if x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _PACKED_DTYPES:
+            return "plain"
+        if few and kernels.decode_linear_for(x.device, w.dtype):
+            return "decode"
+        if not few and w.dtype == torch.bfloat16 and cpu.widens_bfloat16():
+            return "widened"
+        return "onednn"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.weight
+        route = self.route(x)
+        if route == "quantized":
             y = getattr(kernels, self.kernel)(x, self.quantized, self.qtype)
             return y if bias is None else y + bias
-        if x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _PACKED_DTYPES:
+        if route == "plain":
             return F.linear(x, w, bias)
-        key = (w.data_ptr(), w._version)
-        few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
-        if few and kernels.decode_linear_for(x.device, w.dtype):
+        if route == "decode":
             return kernels.decode_linear(x, self.decode_weight(), w.shape[0], bias)
-        if not few and w.dtype == torch.bfloat16 and cpu.widens_bfloat16():
+        if route == "widened":
             return _widened(x, w, bias)
+        key = (w.data_ptr(), w._version)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[1], bias, "none", [], "")
@@ -198,18 +215,13 @@ class PackedLinear(Linear):
         return super()._apply(fn, recurse)
 
     def gates_in_onednn(self, x: torch.Tensor) -> bool:
-        """Whether ``silu_gated`` takes ``x``: a gate|up layer's prefill rows that ``matmul``
-        would hand oneDNN anyway (CPU, the weight's dtype, more than a decode step's rows, not
-        widened), no adapter hooked on the layer."""
-        w = self.weight
+        """Whether ``silu_gated`` takes ``x``: a gate|up layer's prefill rows (more than a
+        decode step's) that ``matmul`` would hand oneDNN anyway, no adapter hooked on it."""
         return (
             not self._forward_hooks
-            and x.device.type == "cpu"
             and x.dim() == 2
             and x.shape[0] > DECODE_ROWS
-            and x.dtype == w.dtype
-            and w.dtype in _PACKED_DTYPES
-            and not (w.dtype == torch.bfloat16 and cpu.widens_bfloat16())
+            and self.route(x) == "onednn"
         )
 
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:

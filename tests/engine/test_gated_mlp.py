@@ -96,3 +96,21 @@ def test_writing_or_moving_the_weight_drops_the_halves() -> None:
     assert module.gate_up_proj._halves is not first
     module.to_empty(device=torch.device("meta"))
     assert module.gate_up_proj._halves is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, DECODE_ROWS, DECODE_ROWS + 1, 300])
+def test_route_names_the_product_matmul_takes(dtype: torch.dtype, rows: int) -> None:
+    """``Linear.route`` is what ``matmul`` does (the copy it packs says which product ran), and
+    the fused path asks it: the two cannot drift apart."""
+    layer = mlp(dtype, bias=False).gate_up_proj
+    x = torch.randn(rows, 96).to(dtype)
+    route = layer.route(x)
+    with torch.inference_mode():
+        layer.matmul(x, None)
+    assert (layer._packed is not None) == (route == "onednn")
+    assert (layer._decode is not None) == (route == "decode")
+    assert layer.gates_in_onednn(x) == (rows > DECODE_ROWS and route == "onednn")
+    if rows > DECODE_ROWS and torch.backends.mkldnn.is_available():
+        assert route == ("onednn" if onednn(dtype) else "widened")
+    assert layer.route(x.double()) == "plain"

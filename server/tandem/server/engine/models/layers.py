@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,10 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+# The products Linear.matmul takes (Linear.route names the one for an input).
+Route = Literal["quantized", "plain", "decode", "widened", "onednn"]
 
 
 class Linear(nn.Linear):
@@ -111,13 +116,12 @@ class Linear(nn.Linear):
             self._decode = (key, kernels.decode_pack(w.detach()))
         return self._decode[1]
 
-    def route(self, x: torch.Tensor) -> str:
+    def route(self, x: torch.Tensor) -> Route:
         """The product ``matmul`` takes for ``x``: ``quantized`` (the GGUF blocks), ``plain``
         (``F.linear``), ``decode`` (``kernels.decode_linear``), ``widened`` (``_widened``) or
         ``onednn`` (the packed weight). Decided in one place so that a layer running its own
         oneDNN products (``PackedLinear.silu_gated``) takes them exactly where ``matmul`` would."""
         w = self.weight
-        few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
         if (
             self.quantized is not None
             and x.dim() == 2
@@ -127,6 +131,7 @@ class Linear(nn.Linear):
             return "quantized"
         if x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in _PACKED_DTYPES:
             return "plain"
+        few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
         if few and kernels.decode_linear_for(x.device, w.dtype):
             return "decode"
         if not few and w.dtype == torch.bfloat16 and cpu.widens_bfloat16():

@@ -1,4 +1,5 @@
-"""``cpu``: where bfloat16's large products and prefill attention are widened to float32."""
+"""``cpu``: where bfloat16's large products and prefill attention are widened to float32, and
+where a decode step's bfloat16 products run as dot pairs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ def test_bfloat16_is_widened_where_its_products_are_slower(
     assert cpu.widens(vendor, flags) is widened
 
 
+@pytest.mark.parametrize(
+    "vendor, flags, pairs",
+    [
+        ("AuthenticAMD", AVX512 | {"avx512_bf16"}, True),  # Zen 4
+        ("AuthenticAMD", AVX512, False),
+        ("GenuineIntel", AVX512 | {"avx512_bf16"}, False),  # one port for dot pairs
+        ("GenuineIntel", AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, False),
+        ("", frozenset(), False),
+    ],
+)
+def test_dot_pairs_only_where_they_outrun_fmas(
+    vendor: str, flags: frozenset[str], pairs: bool
+) -> None:
+    assert cpu.pairs_outrun(vendor, flags) is pairs
+
+
 def test_this_cpu_reads_as_a_vendor_and_flags() -> None:
     assert cpu.widens_bfloat16() is cpu.widens(*cpu._cpuinfo())
+    assert cpu.dot_pairs_outrun_fmas() is cpu.pairs_outrun(*cpu._cpuinfo())
     assert isinstance(cpu.flags(), frozenset)

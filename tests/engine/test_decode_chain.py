@@ -113,7 +113,35 @@ def test_decode_linear_chain_equals_the_modules_bit_for_bit(tiny_models, arch, d
     DECODE_ROWS rows a step."""
     if not kernels.decode_linear_for(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"decode_linear in {dtype} needs AMX (bfloat16) or AVX-512 (float32)")
-    llm = LLM(str(tiny_models[arch]), dtype=dtype, kv_cache_tokens=4096)
+    _chain_by_decode_linear_equals_the_modules(
+        LLM(str(tiny_models[arch]), dtype=dtype, kv_cache_tokens=4096)
+    )
+
+
+@pytest.mark.parametrize(
+    "names", kernels.ops.DECODE_KERNELS[torch.bfloat16][1:], ids=lambda names: names[0]
+)
+def test_bfloat16_panels_chain_equals_the_modules_bit_for_bit(
+    tiny_models, monkeypatch, names: tuple[str, str, None]
+) -> None:
+    """Each bfloat16 panel product (dot pairs, widened) chained where the tiles would be
+    chosen too: every machine with the product checks the chain through it."""
+    if not hasattr(kernels.library.load(), names[0]):
+        pytest.skip(f"{names[0]} needs AVX-512 (and AVX512-BF16 for dot pairs)")
+    chosen = kernels.ops.decode_kernel
+
+    def forced(dtype: torch.dtype) -> tuple[str, str, str | None] | None:
+        return names if dtype == torch.bfloat16 else chosen(dtype)
+
+    monkeypatch.setattr(kernels.ops, "decode_kernel", forced)
+    monkeypatch.setattr(kernels, "decode_kernel", forced)
+    llm = LLM(str(tiny_models["qwen2"]), dtype="bfloat16", kv_cache_tokens=4096)
+    _chain_by_decode_linear_equals_the_modules(llm)
+
+
+def _chain_by_decode_linear_equals_the_modules(llm: LLM) -> None:
+    """``llm``'s chain takes up to DECODE_ROWS rows by decode_linear, and 21 rows a step give
+    the modules' tokens and logprobs bit for bit."""
     runner = llm.engine.worker.runner
     chain = runner._chain
     assert chain is not None and chain.decode_linears

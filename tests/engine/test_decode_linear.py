@@ -1,7 +1,7 @@
 """``kernels.decode_linear`` (a decode step's rows times a weight packed for them: AMX tiles in
-bfloat16, AVX-512 panels in float32 and in bfloat16 without tiles) against float64 and torch's
-own product, and ``Linear`` taking it for up to ``DECODE_ROWS`` rows (and, for more, bfloat16
-widened to float32 where ``cpu.widens_bfloat16``).
+bfloat16, AVX-512 panels in float32 and in bfloat16 without tiles, as dot pairs or widened)
+against float64 and torch's own product, and ``Linear`` taking it for up to ``DECODE_ROWS``
+rows (and, for more, bfloat16 widened to float32 where ``cpu.widens_bfloat16``).
 
 bfloat16: the tiles (and the panels) sum float32 products of bfloat16 inputs (exact in
 float32) and round the sum once, so the result is within float32 summation error of the
@@ -42,7 +42,7 @@ def bound(x: torch.Tensor, w: torch.Tensor, exact: torch.Tensor) -> torch.Tensor
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (100, 70), (33, 48), (17, 32)])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (100, 70), (33, 48), (17, 32), (40, 33)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64_and_torch(dtype, n: int, k: int, rows: int, with_bias: bool) -> None:
@@ -141,22 +141,33 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_passes_bits(
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("n, k", [(960, 576), (100, 70), (17, 32)])
+# The bfloat16 panels (product, packing, packed elements for n and k): widened, and dot pairs.
+PANELS = [
+    ("panel_linear_bf16", "panel_pack_bf16", lambda n, k: -(-n // 64) * 64 * k),
+    ("panel_linear_pairs", "panel_pack_pairs", lambda n, k: -(-n // 64) * 64 * (k + k % 2)),
+]
+
+
+@pytest.mark.parametrize("product, pack, size", PANELS, ids=[p[0] for p in PANELS])
+@pytest.mark.parametrize("n, k", [(960, 576), (100, 70), (17, 32), (40, 33)])
 @pytest.mark.parametrize("rows", [1, 6, 7, 33])
-def test_bfloat16_panels_match_float64_where_tiles_would_run_too(n: int, k: int, rows: int) -> None:
-    """``panel_linear_bf16`` (what bfloat16 decodes take without AMX), called where the tiles
-    are chosen as well: every AVX-512 machine checks it."""
+def test_bfloat16_panels_match_float64_where_tiles_would_run_too(
+    product: str, pack: str, size, n: int, k: int, rows: int
+) -> None:
+    """The bfloat16 panels (what bfloat16 decodes take without AMX: dot pairs where they are
+    fast, else widened), called whatever ``decode_kernel`` chose: every machine with AVX-512
+    (and AVX512-BF16, for the pairs) checks them."""
     lib = library.load()
-    if lib is None or not hasattr(lib, "panel_linear_bf16"):
-        pytest.skip("panel_linear_bf16 needs AVX-512")
+    if lib is None or not hasattr(lib, product):
+        pytest.skip(f"{product} needs AVX-512" + (" and AVX512-BF16" if "pairs" in product else ""))
     gen = torch.Generator().manual_seed(n + k + rows)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    packed = torch.empty(-(-n // 64) * 64 * k, dtype=torch.bfloat16)
-    lib.panel_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    packed = torch.empty(size(n, k), dtype=torch.bfloat16)
+    getattr(lib, pack)(w.data_ptr(), n, k, packed.data_ptr())
     y = torch.empty(rows, n, dtype=torch.bfloat16)
-    lib.panel_linear_bf16(
+    getattr(lib, product)(
         x.data_ptr(), k, rows, k, packed.data_ptr(), n, bias.data_ptr(), y.data_ptr(), n, 2
     )
     exact = F.linear(x.double(), w.double(), bias.double())

@@ -40,4 +40,19 @@ def widens(vendor: str, flags: frozenset[str]) -> bool:
     """``widens_bfloat16``'s rule for a CPU of this vendor and these flags."""
     if "amx_bf16" in flags:
         return False
-    return not (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
+    return not pairs_outrun(vendor, flags)
+
+
+@functools.cache
+def dot_pairs_outrun_fmas() -> bool:
+    """Whether bfloat16 dot pairs (``vdpbf16ps``, 32 products) outrun float32 FMAs (16) here,
+    so that a decode step's bfloat16 products run as dot pairs rather than widened: on Zen 4
+    they issue at the FMAs' rate, twice the products (the default model's decode products at
+    16-64 rows: 357-448 GFLOP/s as pairs, 157-214 widened); on Intel's cores on one port where
+    FMAs issue on two (an AMX Xeon's, tiles aside: 185-196 as pairs, 232-261 widened)."""
+    return pairs_outrun(*_cpuinfo())
+
+
+def pairs_outrun(vendor: str, flags: frozenset[str]) -> bool:
+    """``dot_pairs_outrun_fmas``' rule for a CPU of this vendor and these flags."""
+    return vendor == "AuthenticAMD" and "avx512_bf16" in flags

@@ -23,8 +23,9 @@
 typedef void (*gemv_fn)(const void *x, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                         void *y, int64_t y_stride, int rows, int N, int K, int qtype, int bf16,
                         int threads);
-/* A decode product of a weight packed for it (tile_linear, panel_linear_bf16, panel_linear),
- * and gate|up with SiLU * up in one pass (tile_linear_silu): kernels/ops.py's decode_kernel. */
+/* A decode product of a weight packed for it (tile_linear, panel_linear_pairs,
+ * panel_linear_bf16, panel_linear), and gate|up with SiLU * up in one pass (tile_linear_silu):
+ * kernels/ops.py's decode_kernel. */
 typedef void (*linear_fn)(const void *x, int64_t x_stride, int m, int k, const void *packed,
                           int n, const void *bias, void *out, int64_t out_stride, int threads);
 typedef void (*silu_fn)(const void *x, int64_t x_stride, int m, int k, const void *packed,

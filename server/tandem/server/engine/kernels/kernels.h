@@ -59,6 +59,10 @@ void panel_pack_bf16(const uint16_t *w, int n, int k, uint16_t *out);
 void panel_linear_bf16(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed,
                        int n, const uint16_t *bias, uint16_t *out, int64_t out_stride,
                        int threads);
+void panel_pack_pairs(const uint16_t *w, int n, int k, uint16_t *out);
+void panel_linear_pairs(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed,
+                        int n, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                        int threads); /* AVX512-BF16 only */
 
 /* greedy.c (AVX-512) */
 void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16, int threads,

@@ -87,6 +87,8 @@ SIGNATURES = {
     "panel_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
     "panel_pack_bf16": [_P, _I, _I, _P],
     "panel_linear_bf16": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
+    "panel_pack_pairs": [_P, _I, _I, _P],
+    "panel_linear_pairs": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
     # logits, stride, rows, vocab, bf16, threads, best, ids
     "argmax_rows": [_P, _I64, _I, _I, _I, _I, _P, _P],
 }

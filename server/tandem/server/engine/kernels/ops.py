@@ -371,6 +371,7 @@ def _quant_product(name: str, x: torch.Tensor, blocks: torch.Tensor, qtype: int)
 DECODE_KERNELS = {
     torch.bfloat16: (
         ("tile_linear", "tile_pack", "tile_linear_silu"),
+        ("panel_linear_pairs", "panel_pack_pairs", None),
         ("panel_linear_bf16", "panel_pack_bf16", None),
     ),
     torch.float32: (("panel_linear", "panel_pack", None),),
@@ -380,7 +381,7 @@ DECODE_KERNELS = {
 def decode_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``decode_linear`` runs here: bfloat16 in AMX tiles (``tile_linear.c``: Sapphire
     Rapids and later, the tiles granted to the process), else, like float32, in AVX-512 panels
-    (``panel_linear.c``)."""
+    (``panel_linear.c``: bfloat16 as dot pairs where they outrun FMAs, else widened)."""
     return device.type == "cpu" and decode_kernel(dtype) is not None
 
 
@@ -390,20 +391,32 @@ def decode_kernel(dtype: torch.dtype) -> tuple[str, str, str | None] | None:
     decode step asks)."""
     lib = library.load()
     for names in DECODE_KERNELS.get(dtype, ()):
-        if lib is not None and hasattr(lib, names[0]):
-            if names[0] != "tile_linear" or lib.tile_linear_tiles() == 1:
-                return names
+        if lib is not None and hasattr(lib, names[0]) and _may_run(lib, names[0]):
+            return names
     return None
+
+
+def _may_run(lib: ctypes.CDLL, product: str) -> bool:
+    """Tiles only where the process was granted them; dot pairs only where they outrun
+    float32 FMAs (``cpu.dot_pairs_outrun_fmas``)."""
+    if product == "tile_linear":
+        return lib.tile_linear_tiles() == 1
+    if product == "panel_linear_pairs":
+        return cpu.dot_pairs_outrun_fmas()
+    return True
 
 
 def decode_pack(w: torch.Tensor) -> torch.Tensor:
     """A weight ``[N, K]`` (``nn.Linear``'s) in its dtype's ``decode_linear`` layout: a flat
-    copy, N and K rounded up to 32 for AMX tiles, N up to 64 for panels."""
+    copy, N and K rounded up to 32 for AMX tiles, N up to 64 for panels (and K up to 2 for dot
+    pairs)."""
     n, k = w.shape
     w = w.contiguous()
     product, pack, _ = decode_kernel(w.dtype)
     if product == "tile_linear":
         size = -(-n // 32) * 32 * -(-k // 32) * 32
+    elif product == "panel_linear_pairs":
+        size = -(-n // 64) * 64 * (k + k % 2)
     else:
         size = -(-n // 64) * 64 * k
     out = torch.empty(size, dtype=w.dtype)

@@ -49,7 +49,8 @@ def dot_pairs_outrun_fmas() -> bool:
     so that a decode step's bfloat16 products run as dot pairs rather than widened: on Zen 4
     they issue at the FMAs' rate, twice the products (the default model's decode products at
     16-64 rows: 357-448 GFLOP/s as pairs, 157-214 widened); on Intel's cores on one port where
-    FMAs issue on two (an AMX Xeon's, tiles aside: 185-196 as pairs, 232-261 widened)."""
+    FMAs issue on two (an AMX Xeon's, tiles aside: 166-176 as pairs, 207-242 widened;
+    ``bench/decode_products.py``)."""
     return pairs_outrun(*_cpuinfo())
 
 

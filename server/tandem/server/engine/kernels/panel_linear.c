@@ -1,5 +1,6 @@
 /* float32 products of a decode step's few rows by a weight kept in column panels (AVX-512),
- * and the same loop over bfloat16 weights where there are no AMX tiles (panel_linear_bf16).
+ * and the same loop over bfloat16 weights where there are no AMX tiles (panel_linear_bf16,
+ * panel_linear_pairs).
  *
  * oneDNN's packed float32 product ran the default model's 30 layers and lm_head at 33 ms for
  * one row (the weights' 540 MB at memory speed) but 58 ms at 16 rows and 85 ms at 32 on two

@@ -27,11 +27,6 @@ from tandem.server.engine import kernels  # noqa: E402
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # q|k|v, o, gate|up, down
 SHAPES = LAYER * 30 + [(49152, 576)]  # 30 layers, then the LM head
-PACKED_SIZE = {  # packed elements of an [n, k] weight, by packing function
-    "tile_pack": lambda n, k: -(-n // 32) * 32 * -(-k // 32) * 32,
-    "panel_pack_pairs": lambda n, k: -(-n // 64) * 64 * (k + k % 2),
-    "panel_pack_bf16": lambda n, k: -(-n // 64) * 64 * k,
-}
 
 
 def _weights() -> dict[tuple[int, int], torch.Tensor]:
@@ -54,7 +49,7 @@ def kernel_pass(product: str, pack: str, rows: int, threads: int):
     lib = kernels.library.load()
     packed = {}
     for (n, k), w in _weights().items():
-        packed[n, k] = torch.empty(PACKED_SIZE[pack](n, k), dtype=torch.bfloat16)
+        packed[n, k] = torch.empty(kernels.ops.packed_elements(pack, n, k), dtype=torch.bfloat16)
         getattr(lib, pack)(w.data_ptr(), n, k, packed[n, k].data_ptr())
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in SHAPES}
     outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in SHAPES}

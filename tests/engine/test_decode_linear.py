@@ -141,18 +141,15 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_passes_bits(
     assert torch.equal(got, want)
 
 
-# The bfloat16 panels (product, packing, packed elements for n and k): widened, and dot pairs.
-PANELS = [
-    ("panel_linear_bf16", "panel_pack_bf16", lambda n, k: -(-n // 64) * 64 * k),
-    ("panel_linear_pairs", "panel_pack_pairs", lambda n, k: -(-n // 64) * 64 * (k + k % 2)),
-]
+# The bfloat16 panels (product, packing): widened, and dot pairs.
+PANELS = [("panel_linear_bf16", "panel_pack_bf16"), ("panel_linear_pairs", "panel_pack_pairs")]
 
 
-@pytest.mark.parametrize("product, pack, size", PANELS, ids=[p[0] for p in PANELS])
+@pytest.mark.parametrize("product, pack", PANELS, ids=[p[0] for p in PANELS])
 @pytest.mark.parametrize("n, k", [(960, 576), (100, 70), (17, 32), (40, 33)])
 @pytest.mark.parametrize("rows", [1, 6, 7, 33])
 def test_bfloat16_panels_match_float64_where_tiles_would_run_too(
-    product: str, pack: str, size, n: int, k: int, rows: int
+    product: str, pack: str, n: int, k: int, rows: int
 ) -> None:
     """The bfloat16 panels (what bfloat16 decodes take without AMX: dot pairs where they are
     fast, else widened), called whatever ``decode_kernel`` chose: every machine with AVX-512
@@ -164,7 +161,7 @@ def test_bfloat16_panels_match_float64_where_tiles_would_run_too(
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    packed = torch.empty(size(n, k), dtype=torch.bfloat16)
+    packed = torch.empty(kernels.ops.packed_elements(pack, n, k), dtype=torch.bfloat16)
     getattr(lib, pack)(w.data_ptr(), n, k, packed.data_ptr())
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     getattr(lib, product)(

@@ -406,20 +406,21 @@ def _may_run(lib: ctypes.CDLL, product: str) -> bool:
     return True
 
 
+def packed_elements(pack: str, n: int, k: int) -> int:
+    """Elements of an ``[n, k]`` weight packed by the library's ``pack``: N and K rounded up to
+    32 for AMX tiles, N up to 64 for panels (and K up to 2 for dot pairs)."""
+    if pack == "tile_pack":
+        return -(-n // 32) * 32 * -(-k // 32) * 32
+    return -(-n // 64) * 64 * (k + k % 2 if pack == "panel_pack_pairs" else k)
+
+
 def decode_pack(w: torch.Tensor) -> torch.Tensor:
     """A weight ``[N, K]`` (``nn.Linear``'s) in its dtype's ``decode_linear`` layout: a flat
-    copy, N and K rounded up to 32 for AMX tiles, N up to 64 for panels (and K up to 2 for dot
-    pairs)."""
+    copy, ``packed_elements`` long."""
     n, k = w.shape
     w = w.contiguous()
-    product, pack, _ = decode_kernel(w.dtype)
-    if product == "tile_linear":
-        size = -(-n // 32) * 32 * -(-k // 32) * 32
-    elif product == "panel_linear_pairs":
-        size = -(-n // 64) * 64 * (k + k % 2)
-    else:
-        size = -(-n // 64) * 64 * k
-    out = torch.empty(size, dtype=w.dtype)
+    _, pack, _ = decode_kernel(w.dtype)
+    out = torch.empty(packed_elements(pack, n, k), dtype=w.dtype)
     getattr(library.load(), pack)(w.data_ptr(), n, k, out.data_ptr())
     return out
 

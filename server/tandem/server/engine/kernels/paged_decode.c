@@ -28,8 +28,9 @@
 #define TILE 16
 /* Rows asked for ahead of the one read, into L2: the pages lie scattered, so the hardware's
  * streams stop at each page and a row cold in DRAM stalls the core (a decode step's cache is
- * read once, straight from memory); asking 32 rows ahead doubled bfloat16's rows per second. */
-#define AHEAD 32
+ * read once, straight from memory); asking 32 rows ahead doubled bfloat16's rows per second,
+ * and 64 took 32 rows of 300 tokens from 15.7 to 14.9 ms (30 layers, AMX Xeon, two threads). */
+#define AHEAD 64
 /* Fixed-size arrays (not sized by the arguments) so that, with group and chunks known where
  * attend is inlined, the compiler keeps the ones it indexes in registers. */
 #define MAX_GROUP 16
@@ -277,7 +278,10 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
         float *scores = malloc(sizeof(float) * (size_t)MAX_GROUP * stride);
         float *scratch = tiles ? aligned_alloc(64, 1024 + 4096) : NULL; /* scores^T, queries */
         if (tiles) amx_configure();
-#pragma omp for schedule(dynamic)
+        /* a sequence's KV heads on one thread: their rows interleave in the pages, so the
+         * lines the hardware fetches beside one head's are the next head's (32 rows of 300
+         * tokens, 30 layers: 18.5 -> 15.9 ms on two AMX Xeon threads) */
+#pragma omp for schedule(dynamic, kv_heads)
         for (int item = 0; item < batch * kv_heads; item++) {
             int b = item / kv_heads, h = item % kv_heads;
             const int32_t *table = tables + (int64_t)b * width;

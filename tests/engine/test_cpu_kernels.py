@@ -280,3 +280,42 @@ def test_argmax_rows_is_torchs_max_without_the_float32_copy(
     assert torch.equal(best[plain], want_best[plain]) and torch.equal(ids[plain], want_ids[plain])
     if rows >= 3:
         assert best[2] == float("-inf")
+
+
+
+def _inverse_cdf_float64(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The draw's definition in float64: the first index whose running sum of
+    ``exp(x - max)`` exceeds ``u`` times the total (weights under e^-87 of the largest: 0)."""
+    x = logits.double()
+    w = (x - x.amax(1, keepdim=True)).exp()
+    w = torch.where(x - x.amax(1, keepdim=True) > -87, w, 0.0)
+    cum = w.cumsum(1)
+    return torch.searchsorted(cum, (uniforms * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (32, 49152), (7, 300), (3, 17), (2, 1)])
+def test_draw_rows_draws_the_float64_inverse_cdf(rows: int, vocab: int) -> None:
+    """For each row and many uniforms (0 and the largest below 1 among them) the token is the
+    float64 definition's wherever the uniform is not within float32's rounding of a
+    boundary; a masked token (-inf: the first and last of each row, and every other one in
+    row 0) is never drawn; a row draws the same token alone as in the batch."""
+    if not kernels.draw_rows_for(torch.device("cpu"), torch.float32):
+        pytest.skip("draw_rows needs AVX-512")
+    logits = _rand(rows, vocab, dtype=torch.float32)
+    if vocab > 2:
+        logits[:, [0, -1]] = float("-inf")
+        logits[0, ::2] = float("-inf")
+    gen = torch.Generator().manual_seed(1)
+    for draw in range(40):
+        u = torch.rand(rows, dtype=torch.float64, generator=gen)
+        u[0] = (0.0, 1.0 - 2**-53)[draw % 2] if draw < 2 else u[0]
+        got = torch.tensor(kernels.draw_rows(logits, u))
+        want = _inverse_cdf_float64(logits, u)
+        assert (logits[torch.arange(rows), got] > float("-inf")).all()
+        x = logits.double()
+        w = (x - x.amax(1, keepdim=True)).exp().cumsum(1)
+        target = (u * w[:, -1]).unsqueeze(1)
+        near = ((w - target).abs() <= 1e-5 * w[:, -1:]).any(1)  # a boundary within rounding
+        assert torch.equal(got[~near], want[~near])
+        alone = [kernels.draw_rows(logits[r : r + 1], u[r : r + 1])[0] for r in range(rows)]
+        assert got.tolist() == alone

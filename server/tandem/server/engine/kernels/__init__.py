@@ -12,8 +12,8 @@ blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to
 block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c`` multiply a
 decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
 (float32, and bfloat16 without AMX); ``decode_chain.c`` runs every decoder layer of a
-small decode step in one call, chaining the others; ``greedy.c`` is greedy sampling's argmax
-over the logits in the model's dtype. ``kernels.h`` declares what they export,
+small decode step in one call, chaining the others; ``sampling.c`` is greedy sampling's argmax
+over the logits in the model's dtype and the draw of a row only a temperature shapes. ``kernels.h`` declares what they export,
 ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
 typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
 16-bit CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot
@@ -33,6 +33,8 @@ from .ops import (
     decode_linear,
     decode_linear_for,
     decode_pack,
+    draw_rows,
+    draw_rows_for,
     merge_attention,
     paged_decode,
     paged_decode_for,
@@ -63,6 +65,8 @@ __all__ = [
     "decode_kernel",
     "decode_linear_for",
     "decode_pack",
+    "draw_rows",
+    "draw_rows_for",
     "merge_attention",
     "paged_decode",
     "paged_decode_for",

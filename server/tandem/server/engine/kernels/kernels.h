@@ -64,6 +64,8 @@ void panel_linear_pairs(const uint16_t *x, int64_t x_stride, int m, int k, const
                         int n, const uint16_t *bias, uint16_t *out, int64_t out_stride,
                         int threads); /* AVX512-BF16 only */
 
-/* greedy.c (AVX-512) */
+/* sampling.c (AVX-512) */
 void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16, int threads,
                  float *best, int64_t *ids);
+void draw_rows(const float *logits, int64_t stride, int rows, int vocab, const double *uniforms,
+               int threads, int64_t *ids);

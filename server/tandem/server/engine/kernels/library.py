@@ -36,7 +36,7 @@ SOURCES = [
         "decode_chain.c",
         "tile_linear.c",
         "panel_linear.c",
-        "greedy.c",
+        "sampling.c",
     )
 ]
 HEADERS = [
@@ -91,6 +91,8 @@ SIGNATURES = {
     "panel_linear_pairs": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
     # logits, stride, rows, vocab, bf16, threads, best, ids
     "argmax_rows": [_P, _I64, _I, _I, _I, _I, _P, _P],
+    # logits (float32), stride, rows, vocab, uniforms (float64), threads, ids
+    "draw_rows": [_P, _I64, _I, _I, _P, _I, _P],
 }
 
 RESULTS = {
@@ -116,7 +118,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
-            # AVX-512 only (panel_*, argmax_rows too); tile_*: AMX only
+            # AVX-512 only (panel_*, argmax_rows, draw_rows too); tile_*: AMX only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib

@@ -277,6 +277,37 @@ def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return best, ids
 
 
+def draw_rows_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``draw_rows`` can draw from logits like these (float32; it needs AVX-512)."""
+    return (
+        dtype == torch.float32
+        and cpu_kernels_for(device, dtype)
+        and hasattr(library.load(), "draw_rows")
+    )
+
+
+def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """A token from each row's softmax of ``[N, vocab]`` float32 logits (rows contiguous, each
+    with a finite maximum): the first index whose running sum of ``exp(x - max)`` exceeds its
+    float64 uniform (``[N]``, in [0, 1)) times their total, weights under e^-87 of the
+    largest being 0. One pass builds the weights and their partial sums, no probability
+    table: torch's softmax, float64 cumsum, normalisation and search took 10 ms for 32 rows
+    of 49,152 on two cores."""
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64)
+    uniforms = uniforms.to(torch.float64).contiguous()
+    library.load().draw_rows(
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        vocab,
+        uniforms.data_ptr(),
+        torch.get_num_threads(),
+        ids.data_ptr(),
+    )
+    return ids.tolist()
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[T, heads, D]``, heads contiguous within a token) in place by the step's
     tables (``[T, 1, rotary_dim]``, contiguous, x's dtype); returns ``x``."""

@@ -1,6 +1,7 @@
-/* Greedy sampling's argmax, read from the logits in the model's dtype.
+/* A step's tokens from its logits: greedy sampling's argmax, and the inverse-CDF draw of a row
+ * that only a temperature shapes.
  *
- * torch's route for a bfloat16 step was a float32 copy of every row and then max(dim=-1) on
+ * Argmax, read from the logits in the model's dtype: torch's route for a bfloat16 step was a float32 copy of every row and then max(dim=-1) on
  * one thread: 1.7 ms at 64 rows of the default model's 49,152-token vocabulary on an Emerald
  * Rapids core, a twentieth of the whole decode step. Here each row is read once, sixteen
  * lanes at a time, by as many threads as there are rows to share. The answer is torch's:
@@ -11,6 +12,7 @@
 #include <math.h>
 
 #include "kernels.h"
+#include "vector16.h"
 
 #define PARALLEL_WORK 131072 /* logits below which one thread reads them all */
 
@@ -58,6 +60,80 @@ void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf
             argmax_row(row, vocab, 1, best + r, ids + r);
         else
             argmax_row(row, vocab, 0, best + r, ids + r);
+    }
+}
+
+/* Weights below e^-87 of the row's largest are 0: exp16 clamps there (a masked token's -inf
+ * would otherwise weigh e^-87, and a uniform of 0 would draw it). */
+#define NEGLIGIBLE -87.0f
+#define BLOCK 256 /* weights a partial sum covers */
+
+static float row_max(const float *x, int n) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keep, x + i));
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+/* w = exp(x - m), 0 where negligible; sums[b]: the float64 sum of block b's weights. */
+static void weigh(const float *x, int n, float m, float *w, double *sums) {
+    for (int b0 = 0; b0 < n; b0 += BLOCK) {
+        __m512d acc = _mm512_setzero_pd();
+        for (int i = b0; i < b0 + BLOCK && i < n; i += 16) {
+            const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, x + i), _mm512_set1_ps(m));
+            const __mmask16 real = keep & _mm512_cmp_ps_mask(d, _mm512_set1_ps(NEGLIGIBLE), _CMP_GT_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(real, exp16(d));
+            _mm512_mask_storeu_ps(w + i, keep, e);
+            acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+        }
+        sums[b0 / BLOCK] = _mm512_reduce_add_pd(acc);
+    }
+}
+
+/* The first index whose running sum of weights exceeds u times their total: the block where
+ * the blocks' running sum first does, then its weights one by one from that block's start.
+ * Summed in another order than the block's sum, the crossing may not come within the block:
+ * then its last weighted index (it holds one: its sum is positive); with no block crossing
+ * (u a rounding short of 1), the row's last. A weight of 0 is never drawn. */
+static int64_t draw_row(const float *x, int n, double u, float *w, double *sums) {
+    weigh(x, n, row_max(x, n), w, sums);
+    const int blocks = (n + BLOCK - 1) / BLOCK;
+    double total = 0.0;
+    for (int b = 0; b < blocks; b++) total += sums[b];
+    const double target = u * total;
+    double before = 0.0;
+    int b = 0;
+    while (b < blocks && (sums[b] == 0.0 || before + sums[b] <= target)) before += sums[b++];
+    if (b == blocks) b = blocks - 1, before = -INFINITY; /* the scan below keeps the last */
+    while (sums[b] == 0.0) b--;
+    int last = b * BLOCK;
+    const int end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+    for (int i = b * BLOCK; i < end; i++) {
+        if (w[i] == 0.0f) continue;
+        before += w[i], last = i;
+        if (before > target) return i;
+    }
+    return last;
+}
+
+/* ids [rows]: a draw from each row's softmax, with uniforms [rows] in [0, 1) (the row's own
+ * generator's); logits float32, rows `stride` apart, each with a finite maximum (divided by
+ * its temperature already). A row's token depends on its own logits and uniform alone. */
+void draw_rows(const float *logits, int64_t stride, int rows, int vocab, const double *uniforms,
+               int threads, int64_t *ids) {
+#pragma omp parallel num_threads(threads) if ((int64_t)rows * vocab > PARALLEL_WORK)
+    {
+        float *w = alloc64(sizeof(float) * (size_t)vocab);
+        double *sums = malloc(sizeof(double) * (size_t)(vocab / BLOCK + 1));
+#pragma omp for
+        for (int r = 0; r < rows; r++)
+            ids[r] = draw_row(logits + r * stride, vocab, uniforms[r], w, sums);
+        free(sums);
+        free(w);
     }
 }
 #endif

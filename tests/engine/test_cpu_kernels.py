@@ -282,7 +282,6 @@ def test_argmax_rows_is_torchs_max_without_the_float32_copy(
         assert best[2] == float("-inf")
 
 
-
 def _inverse_cdf_float64(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The draw's definition in float64: the first index whose running sum of
     ``exp(x - max)`` exceeds ``u`` times the total (weights under e^-87 of the largest: 0)."""
@@ -309,7 +308,7 @@ def test_draw_rows_draws_the_float64_inverse_cdf(rows: int, vocab: int) -> None:
     for draw in range(40):
         u = torch.rand(rows, dtype=torch.float64, generator=gen)
         u[0] = (0.0, 1.0 - 2**-53)[draw % 2] if draw < 2 else u[0]
-        got = torch.tensor(kernels.draw_rows(logits, u))
+        got = kernels.draw_rows(logits, u)[1]
         want = _inverse_cdf_float64(logits, u)
         assert (logits[torch.arange(rows), got] > float("-inf")).all()
         x = logits.double()
@@ -317,5 +316,27 @@ def test_draw_rows_draws_the_float64_inverse_cdf(rows: int, vocab: int) -> None:
         target = (u * w[:, -1]).unsqueeze(1)
         near = ((w - target).abs() <= 1e-5 * w[:, -1:]).any(1)  # a boundary within rounding
         assert torch.equal(got[~near], want[~near])
-        alone = [kernels.draw_rows(logits[r : r + 1], u[r : r + 1])[0] for r in range(rows)]
+        alone = [kernels.draw_rows(logits[r : r + 1], u[r : r + 1])[1].item() for r in range(rows)]
         assert got.tolist() == alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_draw_rows_divides_by_the_temperature_and_draws_nothing_from_a_row_not_finite(
+    dtype: torch.dtype,
+) -> None:
+    """Logits in the model's dtype with a temperature each draw what their float32 copy
+    divided by it (as the sampler divides) draws, the largest of each row over its
+    temperature beside it; a row holding a NaN, or only -inf, gives no token (-1)."""
+    if not kernels.draw_rows_for(torch.device("cpu"), dtype):
+        pytest.skip("draw_rows needs AVX-512")
+    logits = _rand(6, 3000, dtype=dtype)
+    logits[4, 17] = float("nan")
+    logits[5] = float("-inf")
+    temps = [0.7, 1.0, 1.3, 1e-5, 2.0, 1.0]
+    u = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    best, ids = kernels.draw_rows(logits, u, temps)
+    scaled = logits.float() / torch.tensor(temps).unsqueeze(1)
+    want_best, want_ids = kernels.draw_rows(scaled, u)
+    assert torch.equal(ids, want_ids) and torch.equal(best[:4], scaled[:4].amax(1))
+    assert ids[4] == -1 and best[4].isnan() and ids[5] == -1 and best[5] == float("-inf")
+    assert torch.equal(ids[:4], want_ids[:4]) and (ids[:4] >= 0).all()

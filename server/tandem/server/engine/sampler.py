@@ -54,7 +54,12 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """logits: [len(requests), vocab] in the model's dtype; where a row needs more than its
-    argmax they are taken in float32, and rows with a grammar are masked in place."""
+    argmax or a draw at its temperature they are taken in float32, and rows with a grammar
+    are masked in place."""
+    if _temperature_only(logits, requests):
+        temps = [_clamp(r.params.temperature) for r in requests]
+        best, tokens = kernels.draw_rows(logits, _uniforms(logits, requests), temps)
+        return _output(best, tokens, [None] * len(requests), requests)
     processed = logits  # every row greedy: nothing is drawn from it
     raw_logprobs: list[torch.Tensor | None] = [None] * len(requests)
     if all(_argmax_only(r) for r in requests):
@@ -67,17 +72,42 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         processed = _process(logits, requests, owned)
         best, best_ids = processed.max(dim=-1)
     # One sync for the batch; -1 marks a row whose maximum is not finite (max propagates NaN).
-    tokens = torch.where(torch.isfinite(best), best_ids, -1).tolist()
-    errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(tokens)]
-    drawn = [i for i, req in enumerate(requests) if errors[i] is None and not req.params.greedy]
+    tokens = torch.where(torch.isfinite(best), best_ids, -1)
+    drawn = [i for i, t in enumerate(tokens.tolist()) if t >= 0 and not requests[i].params.greedy]
     if drawn:
-        for i, token in zip(drawn, _draw(processed, drawn, [requests[i] for i in drawn])):
-            tokens[i] = token
+        tokens[drawn] = torch.tensor(_draw(processed, drawn, [requests[i] for i in drawn]))
+    return _output(best, tokens, raw_logprobs, requests)
+
+
+def _output(
+    best: torch.Tensor,
+    tokens: torch.Tensor,
+    raw_logprobs: list[torch.Tensor | None],
+    requests: list[Request],
+) -> SamplerOutput:
+    """Each row's token, or its error where ``tokens`` holds -1 (``best``: why)."""
+    ids = tokens.tolist()
+    errors = [None if t >= 0 else _row_error(float(best[i])) for i, t in enumerate(ids)]
     logprobs = [
-        None if lp is None or errors[i] else _chosen(lp, tokens[i], requests[i].params.logprobs)
+        None if lp is None or errors[i] else _chosen(lp, ids[i], requests[i].params.logprobs)
         for i, lp in enumerate(raw_logprobs)
     ]
-    return SamplerOutput([None if e else t for t, e in zip(tokens, errors)], logprobs, errors)
+    return SamplerOutput([None if e else t for t, e in zip(ids, errors)], logprobs, errors)
+
+
+def _temperature_only(logits: torch.Tensor, requests: list[Request]) -> bool:
+    """Whether every row is a draw that only its temperature shapes, nothing else read from
+    its logits (the API's default): ``kernels.draw_rows`` then takes them in the model's
+    dtype, with no float32 copy, and draws each as ``_draw`` would."""
+    vocab = logits.shape[1]
+    return kernels.draw_rows_for(logits.device, logits.dtype) and all(
+        not r.params.greedy
+        and not _adjusts(r)
+        and r.sampling.grammar is None
+        and r.params.logprobs is None
+        and not _filters(r.params, vocab)
+        for r in requests
+    )
 
 
 def _argmax_only(req: Request) -> bool:
@@ -214,7 +244,7 @@ def _draw(processed: torch.Tensor, rows: list[int], requests: list[Request]) -> 
     the others by ``_filtered_draws``. Which way a row goes depends on its own parameters, so
     it draws what it draws alone."""
     logits = processed if len(rows) == processed.shape[0] else processed[rows]
-    uniforms = torch.cat([draw_uniform(r.sampling.generator, logits.device) for r in requests])
+    uniforms = _uniforms(logits, requests)
     vocab = logits.shape[1]
     plain = []
     if kernels.draw_rows_for(logits.device, logits.dtype):
@@ -222,7 +252,7 @@ def _draw(processed: torch.Tensor, rows: list[int], requests: list[Request]) -> 
     tokens = [0] * len(requests)
     if plain:
         part = logits if len(plain) == len(requests) else logits[plain]
-        for j, token in zip(plain, kernels.draw_rows(part, uniforms[plain])):
+        for j, token in zip(plain, kernels.draw_rows(part, uniforms[plain])[1].tolist()):
             tokens[j] = token
     rest = sorted(set(range(len(requests))) - set(plain))
     if rest:
@@ -231,6 +261,10 @@ def _draw(processed: torch.Tensor, rows: list[int], requests: list[Request]) -> 
         for j, token in zip(rest, drawn):
             tokens[j] = token
     return tokens
+
+
+def _uniforms(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    return torch.cat([draw_uniform(r.sampling.generator, logits.device) for r in requests])
 
 
 def _filters(params: SamplingParams, vocab: int) -> bool:

@@ -67,5 +67,6 @@ void panel_linear_pairs(const uint16_t *x, int64_t x_stride, int m, int k, const
 /* sampling.c (AVX-512) */
 void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16, int threads,
                  float *best, int64_t *ids);
-void draw_rows(const float *logits, int64_t stride, int rows, int vocab, const double *uniforms,
-               int threads, int64_t *ids);
+void draw_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16,
+               const float *temps, const double *uniforms, int threads, float *best,
+               int64_t *ids);

@@ -91,8 +91,8 @@ SIGNATURES = {
     "panel_linear_pairs": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
     # logits, stride, rows, vocab, bf16, threads, best, ids
     "argmax_rows": [_P, _I64, _I, _I, _I, _I, _P, _P],
-    # logits (float32), stride, rows, vocab, uniforms (float64), threads, ids
-    "draw_rows": [_P, _I64, _I, _I, _P, _I, _P],
+    # logits, stride, rows, vocab, bf16, temps (or NULL), uniforms (float64), threads, best, ids
+    "draw_rows": [_P, _I64, _I, _I, _I, _P, _P, _I, _P, _P],
 }
 
 RESULTS = {

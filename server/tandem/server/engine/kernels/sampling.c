@@ -68,22 +68,29 @@ void argmax_rows(const void *logits, int64_t stride, int rows, int vocab, int bf
 #define NEGLIGIBLE -87.0f
 #define BLOCK 256 /* weights a partial sum covers */
 
-static float row_max(const float *x, int n) {
+/* w = the row divided by its temperature t in float32, as torch divides it; returns w's
+ * largest value, NaN where the row holds one. */
+static float scale_row(const char *row, int n, const int bf16, float t, float *w) {
     __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     for (int i = 0; i < n; i += 16) {
         const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, keep, x + i));
+        const __m512 v = _mm512_div_ps(load16(row + (int64_t)i * (bf16 ? 2 : 4), keep, bf16),
+                                       _mm512_set1_ps(t));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+        _mm512_mask_storeu_ps(w + i, keep, v);
     }
-    return _mm512_reduce_max_ps(top);
+    return nan ? NAN : _mm512_reduce_max_ps(top);
 }
 
-/* w = exp(x - m), 0 where negligible; sums[b]: the float64 sum of block b's weights. */
-static void weigh(const float *x, int n, float m, float *w, double *sums) {
+/* w = exp(w - m) in place, 0 where negligible; sums[b]: the float64 sum of block b's. */
+static void weigh(float *w, int n, float m, double *sums) {
     for (int b0 = 0; b0 < n; b0 += BLOCK) {
         __m512d acc = _mm512_setzero_pd();
         for (int i = b0; i < b0 + BLOCK && i < n; i += 16) {
             const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, x + i), _mm512_set1_ps(m));
+            const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, w + i), _mm512_set1_ps(m));
             const __mmask16 real = keep & _mm512_cmp_ps_mask(d, _mm512_set1_ps(NEGLIGIBLE), _CMP_GT_OQ);
             const __m512 e = _mm512_maskz_mov_ps(real, exp16(d));
             _mm512_mask_storeu_ps(w + i, keep, e);
@@ -99,8 +106,8 @@ static void weigh(const float *x, int n, float m, float *w, double *sums) {
  * Summed in another order than the block's sum, the crossing may not come within the block:
  * then its last weighted index (it holds one: its sum is positive); with no block crossing
  * (u a rounding short of 1), the row's last. A weight of 0 is never drawn. */
-static int64_t draw_row(const float *x, int n, double u, float *w, double *sums) {
-    weigh(x, n, row_max(x, n), w, sums);
+static int64_t draw_row(float *w, int n, float m, double u, double *sums) {
+    weigh(w, n, m, sums);
     const int blocks = (n + BLOCK - 1) / BLOCK;
     double total = 0.0;
     for (int b = 0; b < blocks; b++) total += sums[b];
@@ -120,18 +127,26 @@ static int64_t draw_row(const float *x, int n, double u, float *w, double *sums)
     return last;
 }
 
-/* ids [rows]: a draw from each row's softmax, with uniforms [rows] in [0, 1) (the row's own
- * generator's); logits float32, rows `stride` apart, each with a finite maximum (divided by
- * its temperature already). A row's token depends on its own logits and uniform alone. */
-void draw_rows(const float *logits, int64_t stride, int rows, int vocab, const double *uniforms,
-               int threads, int64_t *ids) {
+/* A draw from each row's softmax at its temperature (temps [rows], or NULL for 1), with
+ * uniforms [rows] in [0, 1) (the row's own generator's), into ids [rows]; best [rows]: the
+ * largest logit over the temperature (NaN where the row holds a NaN), and where that is not
+ * finite, nothing is drawn (id -1). Logits float32 or bfloat16, rows `stride` elements
+ * apart. A row's token depends on its own logits, temperature and uniform alone. */
+void draw_rows(const void *logits, int64_t stride, int rows, int vocab, int bf16,
+               const float *temps, const double *uniforms, int threads, float *best,
+               int64_t *ids) {
+    const int64_t row_bytes = stride * (bf16 ? 2 : 4);
 #pragma omp parallel num_threads(threads) if ((int64_t)rows * vocab > PARALLEL_WORK)
     {
         float *w = alloc64(sizeof(float) * (size_t)vocab);
         double *sums = malloc(sizeof(double) * (size_t)(vocab / BLOCK + 1));
 #pragma omp for
-        for (int r = 0; r < rows; r++)
-            ids[r] = draw_row(logits + r * stride, vocab, uniforms[r], w, sums);
+        for (int r = 0; r < rows; r++) {
+            const char *row = (const char *)logits + r * row_bytes;
+            const float t = temps ? temps[r] : 1.0f;
+            best[r] = bf16 ? scale_row(row, vocab, 1, t, w) : scale_row(row, vocab, 0, t, w);
+            ids[r] = isfinite(best[r]) ? draw_row(w, vocab, best[r], uniforms[r], sums) : -1;
+        }
         free(sums);
         free(w);
     }

@@ -187,3 +187,25 @@ def test_top_p_over_equal_probabilities_keeps_as_many_as_it_allows() -> None:
         for seed in range(200)
     }
     assert drawn == {2, 17, 40}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_at_a_temperature_alone_draw_the_same_on_either_path(dtype: torch.dtype) -> None:
+    """A batch of rows that only their temperatures shape is drawn from the logits as the
+    model made them (``kernels.draw_rows``, where it runs); the same rows in a batch that
+    needs float32 (beside a penalised greedy row) draw the same tokens, and a NaN row fails
+    alone either way."""
+    logits = _logits(5, seed=2).to(dtype)
+    logits[3, 7] = float("nan")
+    temps = [1.0, 0.7, 1e300, 1.0, 1e-5]
+
+    def rows(seed: int) -> list[Request]:
+        return [_request(SamplingParams(temperature=t), seed * 10 + i) for i, t in enumerate(temps)]
+
+    for seed in range(6):
+        alone = sample(logits.clone(), rows(seed))
+        penalised = _request(SamplingParams(temperature=0.0, presence_penalty=1.0), 99, [4])
+        mixed = sample(torch.cat([logits, logits[:1]]), rows(seed) + [penalised])
+        assert mixed.token_ids[:5] == alone.token_ids and mixed.token_ids[5] is not None
+        assert alone.token_ids[3] is None and alone.errors[3].code == LOGITS_NOT_FINITE
+        assert all(0 <= t < VOCAB for i, t in enumerate(alone.token_ids) if i != 3)

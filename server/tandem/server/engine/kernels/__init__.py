@@ -13,8 +13,8 @@ block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c``
 decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
 (float32, and bfloat16 without AMX); ``decode_chain.c`` runs every decoder layer of a
 small decode step in one call, chaining the others; ``sampling.c`` is greedy sampling's argmax
-over the logits in the model's dtype and the draw of a row only a temperature shapes. ``kernels.h`` declares what they export,
-``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
+over the logits in the model's dtype and the draw of a row only a temperature shapes.
+``kernels.h`` declares what they export, ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
 typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
 16-bit CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot
 (no C compiler, a GPU, float16) and that the tests compare them against.

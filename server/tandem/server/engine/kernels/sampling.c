@@ -16,6 +16,11 @@
 
 #define PARALLEL_WORK 131072 /* logits below which one thread reads them all */
 
+/* The lanes of the 16 from i that lie below n. */
+static inline __mmask16 below(int n, int i) {
+    return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+}
+
 static inline __m512 load16(const char *p, __mmask16 keep, const int bf16) {
     const __m512 none = _mm512_set1_ps(-INFINITY);
     if (!bf16) return _mm512_mask_loadu_ps(none, keep, p);
@@ -31,7 +36,7 @@ static void argmax_row(const char *row, int n, const int bf16, float *best, int6
     const __m512i sixteen = _mm512_set1_epi32(16);
     __mmask16 nan = 0;
     for (int i = 0; i < n; i += 16, index = _mm512_add_epi32(index, sixteen)) {
-        const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 keep = below(n, i);
         const __m512 v = load16(row + (int64_t)i * (bf16 ? 2 : 4), keep, bf16);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         const __mmask16 above = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
@@ -74,7 +79,7 @@ static float scale_row(const char *row, int n, const int bf16, float t, float *w
     __m512 top = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     for (int i = 0; i < n; i += 16) {
-        const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 keep = below(n, i);
         const __m512 v = _mm512_div_ps(load16(row + (int64_t)i * (bf16 ? 2 : 4), keep, bf16),
                                        _mm512_set1_ps(t));
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
@@ -89,7 +94,7 @@ static void weigh(float *w, int n, float m, double *sums) {
     for (int b0 = 0; b0 < n; b0 += BLOCK) {
         __m512d acc = _mm512_setzero_pd();
         for (int i = b0; i < b0 + BLOCK && i < n; i += 16) {
-            const __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+            const __mmask16 keep = below(n, i);
             const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, w + i), _mm512_set1_ps(m));
             const __mmask16 real = keep & _mm512_cmp_ps_mask(d, _mm512_set1_ps(NEGLIGIBLE), _CMP_GT_OQ);
             const __m512 e = _mm512_maskz_mov_ps(real, exp16(d));

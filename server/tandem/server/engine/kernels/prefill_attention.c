@@ -39,7 +39,11 @@
 #define INLINE static inline __attribute__((always_inline))
 #define KEYS 16
 #define MAX_ROWS 4
-#define F32_ROWS 8 /* float32 rows a block (head sizes up to 64): sixteen chains of FMAs */
+/* float32 query rows a block (head sizes up to 64) and vectors of keys a step: six rows by 64
+ * keys (24 chains of FMAs, a load of keys or values shared by six rows, a broadcast of q or p by
+ * four vectors) ran 1.05-1.1x eight by 32 on one Emerald Rapids core. */
+#define F32_ROWS 6
+#define F32_WIDE 4
 #define KEY_BLOCK 128 /* keys whose packed K and V a chunk of rows walks through at once */
 #define CHUNK 64      /* query rows of one head a thread takes at a time */
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
@@ -147,19 +151,21 @@ INLINE void scores16(const char *q, int64_t q_stride, const void *kt, int j0,
     }
 }
 
-/* float32: 32 keys' scores (j0 a multiple of 32 within its block) for `rows` query rows, two
- * vectors of keys a row: up to F32_ROWS x 2 independent FMA chains, where sixteen keys gave four
- * rows four chains against the eight two FMA ports of latency four keep busy (half the peak). */
-INLINE void scores32(const char *q, int64_t q_stride, const float *kt, int j0, const int rows,
-                     const int dim, __m512 acc[F32_ROWS][2]) {
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+/* float32: 16 * `wide` keys' scores (j0 a multiple of that within its block) for `rows` query
+ * rows, `wide` vectors of keys a row: rows x wide independent FMA chains, each broadcast of q
+ * and each load of keys shared by as many products as the registers hold. */
+INLINE void scores_wide(const char *q, int64_t q_stride, const float *kt, int j0, const int rows,
+                        const int wide, const int dim, __m512 acc[F32_ROWS][F32_WIDE]) {
+    for (int r = 0; r < rows; r++)
+        for (int w = 0; w < wide; w++) acc[r][w] = _mm512_setzero_ps();
+#pragma GCC unroll 2
     for (int d = 0; d < dim; d++) {
         const float *at = kt + key_at(d, j0, dim);
-        const __m512 lo = _mm512_loadu_ps(at), hi = _mm512_loadu_ps(at + 16);
+        __m512 keys[F32_WIDE];
+        for (int w = 0; w < wide; w++) keys[w] = _mm512_loadu_ps(at + 16 * w);
         for (int r = 0; r < rows; r++) {
             const __m512 b = _mm512_set1_ps(((const float *)(q + r * q_stride * 4))[d]);
-            acc[r][0] = _mm512_fmadd_ps(b, lo, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, hi, acc[r][1]);
+            for (int w = 0; w < wide; w++) acc[r][w] = _mm512_fmadd_ps(b, keys[w], acc[r][w]);
         }
     }
 }
@@ -209,21 +215,31 @@ INLINE void block_probabilities(const char *q, int64_t q_stride, const void *kt,
     __m512 maxv[F32_ROWS];
     for (int r = 0; r < rows; r++) maxv[r] = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < n;) {
-        __m512 dot[F32_ROWS][2];
-        const int two = !bf16 && n - j >= 2 * KEYS;
-        if (two)
-            scores32(q, q_stride, (const float *)kt, j0 + j, rows, dim, dot);
+        __m512 dot[F32_ROWS][F32_WIDE];
+        const int wide = bf16 ? 1 : n - j >= F32_WIDE * KEYS ? F32_WIDE : n - j >= 2 * KEYS ? 2 : 1;
+        if (wide == F32_WIDE)
+            scores_wide(q, q_stride, (const float *)kt, j0 + j, rows, F32_WIDE, dim, dot);
+        else if (wide == 2)
+            scores_wide(q, q_stride, (const float *)kt, j0 + j, rows, 2, dim, dot);
         else {
             __m512 one[F32_ROWS];
             scores16(q, q_stride, kt, j0 + j, rows, dim, bf16, one);
             for (int r = 0; r < rows; r++) dot[r][0] = one[r];
         }
-        for (int half = 0; half <= two; half++, j += KEYS) {
+        if (j0 + j + wide * KEYS - 1 <= position) { /* every row sees every key */
+            for (int w = 0; w < wide; w++, j += KEYS)
+                for (int r = 0; r < rows; r++) {
+                    _mm512_storeu_ps(s + r * KEY_BLOCK + j, dot[r][w]);
+                    maxv[r] = _mm512_max_ps(maxv[r], dot[r][w]);
+                }
+            continue;
+        }
+        for (int w = 0; w < wide; w++, j += KEYS) {
             __m512i at = _mm512_add_epi32(_mm512_set1_epi32(j0 + j), _mm512_setr_epi32(
                 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
             for (int r = 0; r < rows; r++) {
                 __mmask16 seen = _mm512_cmple_epi32_mask(at, _mm512_set1_epi32(position + r * rise));
-                __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dot[r][half]);
+                __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), dot[r][w]);
                 _mm512_storeu_ps(s + r * KEY_BLOCK + j, x);
                 maxv[r] = _mm512_max_ps(maxv[r], x);
             }
@@ -242,6 +258,7 @@ INLINE void block_values(const char *p, const void *vp, int j0, int n, const int
     __m512 sum[F32_ROWS][MAX_CHUNKS];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) sum[r][c] = _mm512_loadu_ps(acc + r * dim + c * 16);
+#pragma GCC unroll 2
     for (int j = 0; j < n; j += 1 + bf16) { /* bfloat16: a word holds keys j and j + 1 */
         const char *row = (const char *)vp + (int64_t)((j0 + j) >> bf16) * dim * 4;
         __m512 v[MAX_CHUNKS];
@@ -560,7 +577,7 @@ static void rows_block(const char *q, int64_t q_stride, const void *kt, const vo
                          acc + c0 * 16);                                                       \
         return;                                                                                \
     }
-    BLOCK(4, 4, 1, 1) BLOCK(2, 8, 1, 1) BLOCK(8, 4, 0, 2) BLOCK(4, 8, 0, 2) BLOCK(4, 4, 0, 1)
+    BLOCK(4, 4, 1, 1) BLOCK(2, 8, 1, 1) BLOCK(6, 4, 0, 1) BLOCK(4, 8, 0, 2) BLOCK(4, 4, 0, 1)
     BLOCK(2, 8, 0, 1)
 #undef BLOCK
     const int elem = bf16 ? 2 : 4, dim = chunks * 16;
@@ -602,6 +619,11 @@ static void scratch_free(Scratch *w) {
     free(w->run);
 }
 
+/* Query rows rows_block takes at a time: as many as the registers hold sums for. */
+INLINE int block_rows(int bf16, int chunks) {
+    return chunks > 4 ? MAX_ROWS / (bf16 ? 2 : 1) : bf16 ? MAX_ROWS : F32_ROWS;
+}
+
 /* Query rows of one head (row r at `position` + r * `rise`), key block by key block, into their
  * running softmax (run) and unnormalised value sums (acc, rows dim floats apart): the packed
  * K and V of a block stay in cache for every row. */
@@ -609,7 +631,7 @@ static void rows_walk(const char *q, int64_t q_stride, const void *kt, const voi
                       int position, int rise, int rows, int chunks, int bf16, float scale,
                       Scratch *w) {
     const int dim = chunks * 16, elem = bf16 ? 2 : 4, amx = w->amx;
-    const int block = (chunks <= 4 ? MAX_ROWS : MAX_ROWS / 2) * (bf16 ? 1 : F32_ROWS / MAX_ROWS);
+    const int block = block_rows(bf16, chunks);
     Running *run = w->run;
     float *acc = w->acc;
     const int pipelined = amx && dim <= 64, held = pipelined ? rows + AMX_ROWS : rows;
@@ -673,10 +695,11 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
     const int padded = (kv_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, offset = kv_len - q_len;
     const int amx = bf16 && q_len >= (dim <= 64 ? PADDED_ROWS : AMX_ROWS) && amx_permitted();
     /* chunks of at most CHUNK rows, at least eight a head (a short prompt's few chunks, the
-     * later ones much costlier, would leave a thread idle), a multiple of four rows (of
-     * sixteen, the tiles' rows, with AMX) */
-    const int unit = amx ? AMX_ROWS : 4, even = q_len / 8 / unit * unit;
-    const int chunk = even < unit ? unit : (even > CHUNK ? CHUNK : even);
+     * later ones much costlier, would leave a thread idle), a multiple of the rows a block
+     * takes (of sixteen, the tiles' rows, with AMX; of four in bfloat16 without) */
+    const int unit = amx ? AMX_ROWS : bf16 ? MAX_ROWS : block_rows(bf16, chunks);
+    const int even = q_len / 8 / unit * unit, most = CHUNK / unit * unit;
+    const int chunk = even < unit ? unit : (even > most ? most : even);
     const int parts = (q_len + chunk - 1) / chunk;
     const size_t packed = sizeof(float) * (size_t)padded * dim; /* bytes per head */
     char *kt = alloc64(packed * kv_heads), *vp = alloc64(packed * kv_heads);

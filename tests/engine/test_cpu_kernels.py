@@ -105,15 +105,40 @@ def test_paged_decode_at_model_head_dims_matches_float64(
     """SmolLM2's and Llama's head sizes take the kernel's specialised bodies (and, in bfloat16
     on a CPU with AVX512-BF16, its pairwise q.k), which the 16-wide test model never reaches;
     a group of 17 query heads per KV head is wider than the kernel's 16 and goes in two parts."""
+    _check_paged_decode(dtype, head_dim, heads, kv_heads, [1, 15, 16, 17, 100, 200])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (64, 34, 2)])
+def test_paged_decode_of_long_sequences_matches_float64(
+    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> None:
+    """Sequences whose cached keys pass a megabyte take every KV head 64 tokens at a time
+    (attend_heads: the running softmax carried from span to span) where there are at least as
+    many sequences as threads; short ones beside them and a lone long one do not."""
+    long = (1 << 20) // (kv_heads * head_dim * dtype.itemsize) + 1
+    lens = [long + 100, long, 40, long + 7 + 64 * 3]
+    _check_paged_decode(dtype, head_dim, heads, kv_heads, lens)
+    _check_paged_decode(dtype, head_dim, heads, kv_heads, [long + 33])
+
+
+def _check_paged_decode(
+    dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, lens: list[int]
+) -> None:
+    """``paged_decode`` of one query a sequence over pages in shuffled order, its outputs and
+    each row's max and sum, against attention in float64."""
     if not kernels.paged_decode_for(torch.device("cpu"), dtype, head_dim):
         pytest.skip("the C decode kernel needs AVX-512")
-    bs, lens = 16, [1, 15, 16, 17, 100, 200]
-    pages = _rand(2, 64, bs, kv_heads, head_dim, dtype=dtype, seed=2) / 3
-    order = iter(torch.randperm(63, generator=torch.Generator().manual_seed(3)).add(1).tolist())
+    bs = 16
+    blocks = sum(-(-n // bs) for n in lens) + 1
+    pages = _rand(2, blocks, bs, kv_heads, head_dim, dtype=dtype, seed=2) / 3
+    order = iter(
+        torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(3)).add(1).tolist()
+    )
     tables = [[next(order) for _ in range(-(-n // bs))] for n in lens]
     width = max(len(t) for t in tables)
     q = _rand(len(lens), heads, head_dim, dtype=dtype, seed=4) / 3
-    out = torch.empty_like(q)
+    out, lse = torch.empty_like(q), torch.empty(len(lens), heads, 2)
     kernels.paged_decode(
         q,
         pages,
@@ -122,6 +147,7 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         max(lens),
         head_dim**-0.5,
         out=out,
+        lse=lse,
     )
     for b, (n, table) in enumerate(zip(lens, tables)):
         k, v = (pages[i, table].reshape(-1, kv_heads, head_dim)[:n].double() for i in (0, 1))
@@ -130,6 +156,8 @@ def test_paged_decode_at_model_head_dims_matches_float64(
         want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)
+        got = lse[b, :, 0].double() + lse[b, :, 1].double().log()
+        torch.testing.assert_close(got, scores.logsumexp(-1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -35,6 +35,10 @@
  * attend is inlined, the compiler keeps the ones it indexes in registers. */
 #define MAX_GROUP 16
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
+#define SPAN 64 /* tokens attend_heads takes a sequence's KV heads through at a time */
+/* A sequence's cached keys (every head) from which attend_heads takes it: below, a head's
+ * pass over the whole sequence ran as fast (float32, 8 rows of 1,000 tokens) or faster (300) */
+#define LONG_BYTES (1 << 20)
 
 INLINE __m512 load16(const char *p, const int bf16) {
     if (!bf16) return _mm512_loadu_ps(p);
@@ -138,19 +142,33 @@ INLINE void prefetch_row(Rows *r, int bytes) {
     for (int b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
 }
 
-/* One (sequence, KV head) pair: `group` query heads of `chunks` * 16 values attend to `len`
- * cached tokens. scores: group rows of `stride` (len rounded up to TILE) floats. */
-INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, const int group,
-                   const int chunks, float scale, const int bf16, float *scores, int stride,
-                   float *lse, float *tiles) {
+/* Where token t of a sequence's rows lies: r moved to it. */
+INLINE Rows rows_at(Rows r, int t) {
+    r.page = t / r.block_size, r.slot = t % r.block_size;
+    return r;
+}
+
+/* Running softmax of query heads over the spans of a sequence seen so far: the scores' max,
+ * the probabilities' sum against it, the values weighed by them (dim floats a head). */
+typedef struct {
+    float *top, *sum, *acc;
+} Running;
+
+/* One KV head's `group` query heads (`chunks` * 16 values) over `n` cached tokens from where
+ * `keys` and `values` point, into their running softmax; rows AHEAD of the one read, up to
+ * `rest` (the tokens from here to the sequence's end), asked for into L2 meanwhile, the first
+ * AHEAD too where `first`. scores: group rows of `span` (n rounded up to TILE or more)
+ * floats; tiles: AMX scratch (bfloat16 q.k as tile products) or NULL. */
+INLINE void attend_span(const char *q, Rows keys, Rows values, int n, int rest, int first,
+                        const int group, const int chunks, float scale, const int bf16,
+                        float *scores, int span, Running run, float *tiles) {
     const int64_t elem = bf16 ? 2 : 4, dim = chunks * 16;
     /* bfloat16 with AVX512-BF16: q.k from the cache's own bits, 32 products an instruction */
-    const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0;
+    const int pairs = HAVE_DPBF16 && bf16 && chunks % 2 == 0, row_bytes = (int)(dim * elem);
     __m512 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], maxv[MAX_GROUP];
     __m512i qb[MAX_GROUP][MAX_CHUNKS / 2];
     for (int g = 0; g < group; g++) {
         maxv[g] = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
         if (pairs)
             for (int c = 0; c < chunks / 2; c++) qb[g][c] = _mm512_loadu_si512(q + (g * dim + c * 32) * 2);
         else
@@ -160,14 +178,14 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
 #if HAVE_AMX
     if (tiles) query_tiles((const uint16_t *)q, group, chunks, (uint16_t *)(tiles + 256));
 #endif
-    const int row_bytes = (int)(dim * elem);
-    Rows keys_ahead = keys, values_ahead = values;
-    for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&keys_ahead, row_bytes);
-    for (int t0 = 0; t0 < len; t0 += TILE) {
-        int n = len - t0 < TILE ? len - t0 : TILE;
-        for (int t = t0 + AHEAD; t < t0 + AHEAD + TILE && t < len; t++)
+    const int here = keys.page * keys.block_size + keys.slot, skip = first ? 0 : AHEAD;
+    Rows keys_ahead = rows_at(keys, here + skip), values_ahead = rows_at(values, here + skip);
+    for (int t = skip; t < AHEAD && t < rest; t++) prefetch_row(&keys_ahead, row_bytes);
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int m = n - t0 < TILE ? n - t0 : TILE;
+        const __mmask16 real = (__mmask16)((1u << m) - 1);
+        for (int t = t0 + AHEAD; t < t0 + AHEAD + TILE && t < rest; t++)
             prefetch_row(&keys_ahead, row_bytes);
-        __mmask16 real = (__mmask16)((1u << n) - 1);
 #if HAVE_AMX
         if (tiles) {
             tile_scores(next_tile(&keys), keys.token_bytes, chunks, tiles);
@@ -176,7 +194,7 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
             for (int g = 0; g < group; g++) {
                 __m512 s = _mm512_mul_ps(_mm512_i32gather_ps(column, tiles + g, 4), _mm512_set1_ps(scale));
                 s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), s);
-                _mm512_storeu_ps(scores + g * stride + t0, s);
+                _mm512_storeu_ps(scores + g * span + t0, s);
                 maxv[g] = _mm512_max_ps(maxv[g], s);
             }
             continue;
@@ -184,7 +202,7 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
 #endif
         __m512 k[TILE][MAX_CHUNKS];
         __m512i kb[TILE][MAX_CHUNKS / 2];
-        for (int i = 0; i < n; i++) {
+        for (int i = 0; i < m; i++) {
             const char *row = next_row(&keys);
             if (pairs)
                 for (int c = 0; c < chunks / 2; c++) kb[i][c] = _mm512_loadu_si512(row + c * 64);
@@ -195,63 +213,100 @@ INLINE void attend(const char *q, Rows keys, Rows values, char *out, int len, co
             __m512 part[TILE];
             for (int i = 0; i < TILE; i++) {
                 part[i] = _mm512_setzero_ps();
-                if (i < n && pairs)
+                if (i < m && pairs)
                     for (int c = 0; c < chunks / 2; c++) part[i] = dot_pairs(part[i], qb[g][c], kb[i][c]);
-                else if (i < n)
+                else if (i < m)
                     for (int c = 0; c < chunks; c++) part[i] = _mm512_fmadd_ps(qv[g][c], k[i][c], part[i]);
             }
             __m512 s = sum_each(part);
             if (pairs) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
             s = _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), s);
-            _mm512_storeu_ps(scores + g * stride + t0, s);
+            _mm512_storeu_ps(scores + g * span + t0, s);
             maxv[g] = _mm512_max_ps(maxv[g], s);
         }
     }
-    for (int g = 0; g < group; g++) {
-        float *s = scores + g * stride;
-        float top = _mm512_reduce_max_ps(maxv[g]);
-        __m512 m = _mm512_set1_ps(top), total = _mm512_setzero_ps();
-        for (int t = 0; t < stride; t += TILE) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-            _mm512_storeu_ps(s + t, e);
+    for (int g = 0; g < group; g++) { /* a higher max shrinks what came before */
+        const float most = _mm512_reduce_max_ps(maxv[g]), top = most > run.top[g] ? most : run.top[g];
+        const float alpha = run.top[g] == -INFINITY ? 0.0f : exp_approx(run.top[g] - top);
+        __m512 mv = _mm512_set1_ps(top), total = _mm512_setzero_ps();
+        for (int t = 0; t < n; t += TILE) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + g * span + t), mv));
+            _mm512_storeu_ps(scores + g * span + t, e);
             total = _mm512_add_ps(total, e);
         }
-        float sum = _mm512_reduce_add_ps(total);
-        if (lse) lse[2 * g] = top, lse[2 * g + 1] = sum;
-        __m512 inv = _mm512_set1_ps(1.0f / sum);
-        for (int t = 0; t < stride; t += TILE) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+        run.sum[g] = run.sum[g] * alpha + _mm512_reduce_add_ps(total);
+        run.top[g] = top;
+        for (int c = 0; c < chunks; c++)
+            acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(run.acc + g * dim + c * 16), _mm512_set1_ps(alpha));
     }
-    for (int t = 0; t < AHEAD && t < len; t++) prefetch_row(&values_ahead, row_bytes);
-    for (int t = 0; t < len; t++) {
-        if (t + AHEAD < len) prefetch_row(&values_ahead, row_bytes);
+    for (int t = skip; t < AHEAD && t < rest; t++) prefetch_row(&values_ahead, row_bytes);
+    for (int t = 0; t < n; t++) {
+        if (t + AHEAD < rest) prefetch_row(&values_ahead, row_bytes);
         const char *row = next_row(&values);
         __m512 v[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++) v[c] = load16(row + c * 16 * elem, bf16);
         for (int g = 0; g < group; g++) {
-            __m512 p = _mm512_set1_ps(scores[g * stride + t]);
+            __m512 p = _mm512_set1_ps(scores[g * span + t]);
             for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
         }
     }
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) store16(out + (g * dim + c * 16) * elem, acc[g][c], bf16);
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(run.acc + g * dim + c * 16, acc[g][c]);
 }
 
 #define SHAPE(G, C)                                                                           \
     if (group == G && chunks == C)                                                            \
-        return bf16 ? attend(q, keys, values, out, len, G, C, scale, 1, scores, stride, lse,  \
-                             tiles)                                                           \
-                    : attend(q, keys, values, out, len, G, C, scale, 0, scores, stride, lse,  \
-                             NULL);
+        return bf16 ? attend_span(q, keys, values, n, rest, first, G, C, scale, 1, scores,    \
+                                  span, run, tiles)                                           \
+                    : attend_span(q, keys, values, n, rest, first, G, C, scale, 0, scores,    \
+                                  span, run, NULL);
 
-static void attend_any(const char *q, Rows keys, Rows values, char *out, int len, int group,
-                       int chunks, float scale, int bf16, float *scores, int stride, float *lse,
-                       float *tiles) {
+static void span_any(const char *q, Rows keys, Rows values, int n, int rest, int first,
+                     int group, int chunks, float scale, int bf16, float *scores, int span,
+                     Running run, float *tiles) {
     SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
     SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
     if (bf16)
-        attend(q, keys, values, out, len, group, chunks, scale, 1, scores, stride, lse, tiles);
+        attend_span(q, keys, values, n, rest, first, group, chunks, scale, 1, scores, span, run, tiles);
     else
-        attend(q, keys, values, out, len, group, chunks, scale, 0, scores, stride, lse, NULL);
+        attend_span(q, keys, values, n, rest, first, group, chunks, scale, 0, scores, span, run, NULL);
+}
+
+/* KV heads h0 .. h1 - 1 of one sequence (`len` tokens; q, out and lse at its first query
+ * head, keys and values at its first KV head), `span` tokens at a time, each of those heads
+ * before the next span. A page holds its tokens' rows of every KV head interleaved: one head
+ * over a whole long sequence reads a third of each page's lines a pass (16 GB/s where the
+ * pages read whole ran at 27, two threads), so a long sequence's heads go together, 64
+ * tokens at a time, its pages read whole while in L2; a short one's head takes it whole, one
+ * span. state: (h1 - h0) * group * (dim + 2) floats of scratch. */
+static void attend_heads(const char *q, Rows keys, Rows values, char *out, int len, int h0,
+                         int h1, int group, int dim, float scale, int bf16, float *scores,
+                         int span, float *state, float *lse, float *tiles) {
+    const int64_t elem = bf16 ? 2 : 4, held = (int64_t)(h1 - h0) * group;
+    Running run = {state, state + held, state + 2 * held};
+    for (int64_t i = 0; i < held; i++) run.top[i] = -INFINITY, run.sum[i] = 0.0f;
+    memset(run.acc, 0, sizeof(float) * held * dim);
+    for (int t0 = 0; t0 < len; t0 += span) {
+        const int n = len - t0 < span ? len - t0 : span;
+        for (int h = h0; h < h1; h++) /* a group wider than MAX_GROUP goes in parts */
+            for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
+                const int64_t at = (int64_t)(h - h0) * group + g0;
+                Rows k = rows_at(keys, t0), v = rows_at(values, t0);
+                k.base += h * dim * elem, v.base += h * dim * elem;
+                Running part = {run.top + at, run.sum + at, run.acc + at * dim};
+                span_any(q + ((int64_t)h * group + g0) * dim * elem, k, v, n, len - t0, t0 == 0,
+                         group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP, dim / 16, scale, bf16,
+                         scores, span, part, tiles);
+            }
+    }
+    for (int64_t i = 0; i < held; i++) {
+        const int64_t head = (int64_t)h0 * group + i;
+        const __m512 inv = _mm512_set1_ps(1.0f / run.sum[i]);
+        for (int c = 0; c < dim; c += 16)
+            store16(out + (head * dim + c) * elem,
+                    _mm512_mul_ps(_mm512_loadu_ps(run.acc + i * dim + c), inv), bf16);
+        if (lse) lse[2 * head] = run.top[i], lse[2 * head + 1] = run.sum[i];
+    }
 }
 
 /* q, out: [B, H, D], a sequence's heads contiguous, sequences q_stride and out_stride elements
@@ -264,18 +319,19 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
                   int64_t out_stride, const int32_t *tables, int width, const int32_t *lens,
                   int batch, int heads, int kv_heads, int dim, int block_size, int max_len,
                   float scale, int bf16, int threads, float *lse) {
-    int group = heads / kv_heads, stride = (max_len + TILE - 1) / TILE * TILE;
-    int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
+    const int group = heads / kv_heads, stride = (max_len + TILE - 1) / TILE * TILE;
+    const int64_t elem = bf16 ? 2 : 4, token_bytes = kv_heads * dim * elem;
     /* A parallel region costs its slowest thread's wake-up: on cores other processes share,
      * a whole scheduler timeslice (7 ms a call measured, against 55 us on one thread), so a
      * step with little to read stays on this thread. */
-    int parallel = (int64_t)batch * kv_heads * max_len * dim > PARALLEL_READ;
+    const int parallel = (int64_t)batch * kv_heads * max_len * dim > PARALLEL_READ;
     /* q.k on AMX tiles: bfloat16, head dims 64 or 128, whole pages of TILE tokens */
     const int tiles = bf16 && HAVE_AMX && (dim == 64 || dim == 128) && block_size % TILE == 0 &&
                       amx_permitted();
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        float *scores = malloc(sizeof(float) * (size_t)MAX_GROUP * stride);
+        float *scores = malloc(sizeof(float) * MAX_GROUP * (stride > SPAN ? stride : SPAN));
+        float *state = malloc(sizeof(float) * (size_t)heads * (dim + 2));
         float *scratch = tiles ? aligned_alloc(64, 1024 + 4096) : NULL; /* scores^T, queries */
         if (tiles) amx_configure();
         /* a sequence's KV heads on one thread: their rows interleave in the pages, so the
@@ -285,25 +341,22 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, const void *v,
          * float32 18.0 -> 11.3 ms, bfloat16 5.7 -> 3.9) */
 #pragma omp for schedule(dynamic, batch < threads ? 1 : kv_heads)
         for (int item = 0; item < batch * kv_heads; item++) {
-            int b = item / kv_heads, h = item % kv_heads;
-            const int32_t *table = tables + (int64_t)b * width;
-            Rows keys = {(const char *)k + h * dim * elem, table, block_size, 0, 0,
+            const int b = item / kv_heads, h = item % kv_heads, len = lens[b];
+            const int together = batch >= threads && (int64_t)len * token_bytes >= LONG_BYTES;
+            if (together && h > 0) continue; /* the item of head 0 takes them all */
+            Rows keys = {(const char *)k, tables + (int64_t)b * width, block_size, 0, 0,
                          block_size * token_bytes, token_bytes};
             Rows values = keys;
-            values.base = (const char *)v + h * dim * elem;
-            /* query heads are independent: a group wider than MAX_GROUP goes in parts */
-            for (int g0 = 0; g0 < group; g0 += MAX_GROUP) {
-                int64_t head = ((int64_t)h * group + g0) * dim;
-                int part = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
-                attend_any((const char *)q + (b * q_stride + head) * elem, keys, values,
-                           (char *)out + (b * out_stride + head) * elem, lens[b], part,
-                           dim / 16, scale, bf16, scores, (lens[b] + TILE - 1) / TILE * TILE,
-                           lse ? lse + 2 * ((int64_t)b * heads + h * group + g0) : NULL,
-                           scratch);
-            }
+            values.base = (const char *)v;
+            attend_heads((const char *)q + b * q_stride * elem, keys, values,
+                         (char *)out + b * out_stride * elem, len, together ? 0 : h,
+                         together ? kv_heads : h + 1, group, dim, scale, bf16, scores,
+                         together ? SPAN : (len + TILE - 1) / TILE * TILE, state,
+                         lse ? lse + 2 * (int64_t)b * heads : NULL, scratch);
         }
         if (tiles) _tile_release();
         free(scratch);
+        free(state);
         free(scores);
     }
 }

@@ -10,8 +10,10 @@
  * and 128 is instead a tile product per page of 16 tokens (K straight from the page times the
  * group's queries as pairs of dimensions): the default model's decode attention at 64 rows
  * of 228 tokens, 30 layers' cache cold, two threads, alternating in one process, 24.3 -> 21.1
- * ms (1 row of 300: 1.19 -> 1.03; 16 rows of 900: 30.9 -> 26.5). Its reference is the torch
- * backend's gather + bmm path (tests/test_torch_attention.py). shared_decode, below, attends
+ * ms (1 row of 300: 1.19 -> 1.03; 16 rows of 900: 30.9 -> 26.5). A sequence is taken a span
+ * of tokens at a time into a running softmax (attend_heads): a long one's KV heads all
+ * together, so that each page is read whole. Its reference is the torch backend's gather +
+ * bmm path (tests/test_torch_attention.py). shared_decode, below, attends
  * the pages several decodes begin with once for all of them.
  */
 #ifdef __AVX512F__

@@ -1,8 +1,9 @@
 """C kernels for the CPU path, built once per machine and called through ctypes.
 
-``paged_decode.c`` is decode attention reading the paged KV cache in place (AVX-512 only;
-bfloat16 q.k in AMX tiles where the CPU has them),
-with ``merge_attention`` weighing a row's own pages against pages shared with other rows;
+``paged_decode.c`` is decode attention reading the paged KV cache in place, a long
+sequence's KV heads together a span of tokens at a time (AVX-512 only; bfloat16 q.k in AMX
+tiles where the CPU has them), with ``merge_attention`` weighing a row's own pages against
+pages shared with other rows;
 ``prefill_attention.c`` a prompt's causal attention (AVX-512; bfloat16 with AVX512-BF16, in
 AMX tiles where the CPU has them) and ``shared_attention``, the pages every decode of a step
 begins with attended once for all of them; ``layers.c`` holds the elementwise parts of a
@@ -14,10 +15,11 @@ decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-51
 (float32, and bfloat16 without AMX); ``decode_chain.c`` runs every decoder layer of a
 small decode step in one call, chaining the others; ``sampling.c`` is greedy sampling's argmax
 over the logits in the model's dtype and the draw of a row only a temperature shapes.
-``kernels.h`` declares what they export, ``amx.h`` what the tile kernels share. ``library.py`` builds and loads them; ``ops.py`` is the
-typed Python side. ``cuda_ops.py`` is their GPU counterpart: FlashInfer's fused kernels for
-16-bit CUDA tensors. Every kernel has a plain PyTorch reference that runs where they cannot
-(no C compiler, a GPU, float16) and that the tests compare them against.
+``kernels.h`` declares what they export, ``amx.h`` what the tile kernels share.
+``library.py`` builds and loads them; ``ops.py`` is the typed Python side. ``cuda_ops.py`` is
+their GPU counterpart: FlashInfer's fused kernels for 16-bit CUDA tensors. Every kernel has a
+plain PyTorch reference that runs where they cannot (no C compiler, a GPU, float16) and that
+the tests compare them against.
 """
 
 from . import cuda_ops

@@ -424,48 +424,13 @@ static void amx_rows_block(const char *q, int64_t q_stride, const void *kt, cons
 }
 
 /* Sixteen rows against a key block, for head sizes up to 64, as a pipeline over steps of 32 keys:
- * the tile products of one step's scores and of the step before's p.v are issued before the
- * step's probabilities, so the tile unit works while the vector units take the
- * exponentials. One after the other (amx_rows_block), each side waited at every hand-over of a
- * block (tile stores the vectors read, vector stores the tiles load): two-thirds of the
- * cycles of the same work pipelined (1,830 against 2,850 a block on an Emerald Rapids core).
- * Tiles: 0-3 the rows' value sums for the whole block, 4-5 a step's scores, 6 A, 7 B. */
+ * the tile products of the next step's scores and of the step before's p.v are issued while the
+ * vector units take this step's exponentials. One after the other (amx_rows_block), each side
+ * waited at every hand-over of a block (tile stores the vectors read, vector stores the tiles
+ * load): two-thirds of the cycles of the same work pipelined (1,830 against 2,850 a block on an
+ * Emerald Rapids core). Tiles: 0-3 the rows' value sums for the whole block, 4-5 a step's
+ * scores, 6 A, 7 B. */
 #define STEP 32
-
-/* The scores of keys k .. k + width - 1 of a block (width 16 or 32) into s (rows STEP apart). */
-INLINE void step_scores(const char *q, int64_t q_stride, const uint32_t *block, int k, int width,
-                        int dim, float *s) {
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int c = 0; c < dim / 32; c++) {
-        const uint32_t *b = block + (int64_t)c * 16 * KEY_BLOCK + k;
-        _tile_loadd(6, q + c * 64, q_stride * 2);
-        _tile_loadd(7, b, KEY_BLOCK * 4);
-        _tile_dpbf16ps(4, 6, 7);
-        if (width > 16) {
-            _tile_loadd(7, b + 16, KEY_BLOCK * 4);
-            _tile_dpbf16ps(5, 6, 7);
-        }
-    }
-    _tile_stored(4, s, STEP * 4);
-    if (width > 16) _tile_stored(5, s + 16, STEP * 4);
-}
-
-/* Value sums (tiles 0 .. dim / 16 - 1) += one step's probabilities p (16 rows of STEP bfloat16,
- * zero past the block's keys) times the packed values from v (the step's first key pair). */
-INLINE void step_values(const char *p, const char *v, int dim) {
-    _tile_loadd(6, p, STEP * 2);
-    _tile_loadd(7, v, dim * 4);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_loadd(7, v + 64, dim * 4);
-    _tile_dpbf16ps(1, 6, 7);
-    if (dim > 32) {
-        _tile_loadd(7, v + 128, dim * 4);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, v + 192, dim * 4);
-        _tile_dpbf16ps(3, 6, 7);
-    }
-}
 
 /* The value-sum tiles (dim 32 or 64: two or four) out to acc (16 rows, dim floats apart) or in
  * from it. */
@@ -486,46 +451,109 @@ INLINE void sums_in(const float *acc, int dim) {
     }
 }
 
-/* A row whose step rose more than RISE above its reference: the reference moves to the step's
- * max, the row's probability sums (total, and the block's so far in *sum) and its value sums
- * (flushed out of the tiles and back) scaled to it. Rare but for a row's first step (its
- * reference the step's max, nothing to scale): a row's later steps seldom hold a score so far
- * above the max of its first. */
-static void step_rise(int r, float top, int dim, Running *u, __m512 *sum, float *acc) {
-    if (u->max == -INFINITY) { /* the row's first step: nothing summed yet */
-        u->max = top;
+/* What one step hands the tile unit beside its probabilities: the next step's scores (none
+ * when width is 0) and the previous step's p.v (none when p is NULL). */
+typedef struct {
+    const char *q;
+    int64_t q_stride;
+    const uint32_t *keys; /* the next step's first key in its block */
+    int width;            /* the next step's keys: 0, 16 or 32 */
+    float *s;             /* its scores, rows STEP apart */
+    const char *p, *v;    /* the previous step's probabilities and its first key pair's values */
+} TileWork;
+
+/* Part i (0 .. 7) of a step's tile products: 0-3 the next step's scores (tiles 4-5; stored at
+ * 3), 4-7 the previous step's p.v into the value sums (tiles 0-3). */
+INLINE void tile_part(const int i, const TileWork *t, int dim) {
+    const int chunk = i >> 1, half = i & 1;
+    if (i < 4) {
+        if (!t->width) return;
+        const uint32_t *b = t->keys + (int64_t)chunk * 16 * KEY_BLOCK;
+        if (i == 0) {
+            _tile_zero(4);
+            _tile_zero(5);
+        }
+        const int used = chunk < dim / 32; /* head size 32: one chunk of q */
+        if (used && !half) {
+            _tile_loadd(6, t->q + chunk * 64, t->q_stride * 2);
+            _tile_loadd(7, b, KEY_BLOCK * 4);
+            _tile_dpbf16ps(4, 6, 7);
+        } else if (used && t->width > 16) {
+            _tile_loadd(7, b + 16, KEY_BLOCK * 4);
+            _tile_dpbf16ps(5, 6, 7);
+        }
+        if (i == 3) {
+            _tile_stored(4, t->s, STEP * 4);
+            if (t->width > 16) _tile_stored(5, t->s + 16, STEP * 4);
+        }
         return;
     }
-    const float alpha = exp_approx(u->max - top);
-    sums_out(acc, dim);
-    for (int d = 0; d < dim; d += 16)
-        _mm512_storeu_ps(acc + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), _mm512_set1_ps(alpha)));
-    sums_in(acc, dim);
-    u->sum *= alpha;
-    *sum = _mm512_mul_ps(*sum, _mm512_set1_ps(alpha));
-    u->max = top;
+    if (!t->p || (i > 5 && dim <= 32)) return;
+    if (i == 4) _tile_loadd(6, t->p, STEP * 2);
+    _tile_loadd(7, t->v + (i - 4) * 64, dim * 4);
+    if (i == 4) _tile_dpbf16ps(0, 6, 7);
+    if (i == 5) _tile_dpbf16ps(1, 6, 7);
+    if (i == 6) _tile_dpbf16ps(2, 6, 7);
+    if (i == 7) _tile_dpbf16ps(3, 6, 7);
 }
 
-/* One step's probabilities, 16 rows of STEP keys from key j (row r's last key `last` + r *
- * `rise`), against each row's reference, into p (zero past `width`), their sums into sums. */
-static void step_probabilities(const float *s, int j, int width, int last, int rise, int dim,
-                               float scale, Running *run, __m512 *sums, float *acc, char *p) {
+/* One row of a step: its probabilities against its reference into p and its sum; a row whose
+ * scores rise more than RISE above the reference moves it and returns the factor its value
+ * sums take once the step's tile work is issued (1 when none). */
+INLINE float step_row(const float *row, int j, int width, int last, __m512i at0, __m512 c,
+                      float scale, Running *u, __m512 *sum, char *p) {
+    const __m512 x0 = masked16(row, 0, j, last, at0);
+    const __m512 x1 = width > 16 ? masked16(row, 16, j, last, at0) : _mm512_set1_ps(-INFINITY);
+    const __m512 top = _mm512_max_ps(x0, x1);
+    float alpha = 1.0f;
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((u->max + RISE / LOG2E) / scale), _CMP_GT_OQ)) {
+        const float high = _mm512_reduce_max_ps(top) * scale;
+        if (u->max != -INFINITY) {
+            alpha = exp_approx(u->max - high);
+            u->sum *= alpha;
+            *sum = _mm512_mul_ps(*sum, _mm512_set1_ps(alpha));
+        }
+        u->max = high;
+    }
+    const __m512 m = _mm512_set1_ps(u->max * LOG2E);
+    const __m512 e0 = exp2_bf16(_mm512_fmsub_ps(x0, c, m));
+    const __m512 e1 = width > 16 ? exp2_bf16(_mm512_fmsub_ps(x1, c, m)) : _mm512_setzero_ps();
+    *sum = _mm512_add_ps(*sum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    return alpha;
+}
+
+/* A step's probabilities (16 rows of STEP keys from key j, row r's last key `last` + r * `rise`,
+ * each against its reference) into p, zero past `width`, their sums into sums, with the tile
+ * work's eight parts issued between its rows, two rows a part. Issued in one run before the
+ * rows, the tile products held the reorder window and the vectors waited behind them (tiles
+ * alone and vectors alone took 17.6 and 20.8 ms of a 4,096-token prompt's 30 on one core of an
+ * AMX Xeon, KVM model 167; interleaved 27). A row whose reference moved has its value sums
+ * scaled once every part is issued: the previous step's p.v was taken against the old
+ * reference too. */
+INLINE void step_interleaved(const float *s, int j, int width, int last, int rise, int dim,
+                             float scale, Running *run, __m512 *sums, float *acc, char *p,
+                             const TileWork *t) {
     const __m512i at0 = _mm512_add_epi32(_mm512_set1_epi32(j), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __m512 c = _mm512_set1_ps(scale * LOG2E);
-    for (int r = 0; r < AMX_ROWS; r++) {
-        const float *row = s + r * STEP;
-        const __m512 x0 = masked16(row, 0, j, last + r * rise, at0);
-        const __m512 x1 = width > 16 ? masked16(row, 16, j, last + r * rise, at0) : _mm512_set1_ps(-INFINITY);
-        const __m512 top = _mm512_max_ps(x0, x1);
-        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps((run[r].max + RISE / LOG2E) / scale), _CMP_GT_OQ))
-            step_rise(r, _mm512_reduce_max_ps(top) * scale, dim, run + r, sums + r, acc);
-        const __m512 m = _mm512_set1_ps(run[r].max * LOG2E);
-        const __m512 e0 = exp2_bf16(_mm512_fmsub_ps(x0, c, m));
-        const __m512 e1 = width > 16 ? exp2_bf16(_mm512_fmsub_ps(x1, c, m)) : _mm512_setzero_ps();
-        sums[r] = _mm512_add_ps(sums[r], _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(p + r * STEP * 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    float alpha[AMX_ROWS];
+    int moved = 0;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        for (int r = 2 * i; r < 2 * i + 2; r++) {
+            alpha[r] = step_row(s + r * STEP, j, width, last + r * rise, at0, c, scale, run + r,
+                                sums + r, p + r * STEP * 2);
+            moved |= alpha[r] != 1.0f;
+        }
+        tile_part(i, t, dim);
     }
+    if (!moved) return;
+    sums_out(acc, dim);
+    for (int r = 0; r < AMX_ROWS; r++)
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(acc + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), _mm512_set1_ps(alpha[r])));
+    sums_in(acc, dim);
 }
 
 /* Sixteen rows (row r at `position` + r * `rise`) against keys 0 .. n - 1, head size up to 64:
@@ -540,18 +568,25 @@ static void amx_rows_pipelined(const char *q, int64_t q_stride, const void *kt, 
     sums_in(acc, dim);
     for (int g = -1; g < steps; g++) {
         const int next = (g + 1) * STEP, at = g * STEP;
+        TileWork t = {q, q_stride, NULL, 0, s + ((g + 1) & 1) * sbuf, NULL, NULL};
         if (g + 1 < steps) {
-            const uint32_t *block = (const uint32_t *)kt + key_at(0, next, dim / 2) - next % KEY_BLOCK;
-            step_scores(q, q_stride, block, next % KEY_BLOCK, n - next < STEP ? n - next : STEP,
-                        dim, s + ((g + 1) & 1) * sbuf);
+            t.keys = (const uint32_t *)kt + key_at(0, next, dim / 2);
+            t.width = n - next < STEP ? n - next : STEP;
         }
-        if (g > 0)
-            step_values(p + ((g - 1) & 1) * pbuf, (const char *)vp + (int64_t)(at - STEP) / 2 * dim * 4, dim);
-        if (g >= 0)
-            step_probabilities(s + (g & 1) * sbuf, at, n - at < STEP ? n - at : STEP, position,
-                               rise, dim, scale, run, sums, acc, p + (g & 1) * pbuf);
+        if (g > 0) {
+            t.p = p + ((g - 1) & 1) * pbuf;
+            t.v = (const char *)vp + (int64_t)(at - STEP) / 2 * dim * 4;
+        }
+        if (g < 0) {
+            for (int i = 0; i < 4; i++) tile_part(i, &t, dim);
+            continue;
+        }
+        step_interleaved(s + (g & 1) * sbuf, at, n - at < STEP ? n - at : STEP, position, rise,
+                         dim, scale, run, sums, acc, p + (g & 1) * pbuf, &t);
     }
-    step_values(p + ((steps - 1) & 1) * pbuf, (const char *)vp + (int64_t)(steps - 1) * STEP / 2 * dim * 4, dim);
+    const TileWork last = {q, q_stride, NULL, 0, NULL, p + ((steps - 1) & 1) * pbuf,
+                           (const char *)vp + (int64_t)(steps - 1) * STEP / 2 * dim * 4};
+    for (int i = 4; i < 8; i++) tile_part(i, &last, dim);
     sums_out(acc, dim);
     for (int r = 0; r < AMX_ROWS; r++) run[r].sum += _mm512_reduce_add_ps(sums[r]);
 }
@@ -710,11 +745,14 @@ void prefill_attention(const void *q, int64_t q_stride, const void *k, const voi
         for (int h = 0; h < kv_heads; h++)
             pack((const char *)k + (int64_t)h * dim * elem, (const char *)v + (int64_t)h * dim * elem,
                  kv_stride, kv_len, padded, dim, bf16, kt + packed * h, vp + packed * h);
-        /* the last rows attend to the most keys: handed out first */
+        /* KV head by KV head, so a thread's packed K and V stay in its L2 (bfloat16 on tiles,
+         * 4,096 tokens, two threads: 1.1x against every head's chunk in turn); within one,
+         * the last rows attend to the most keys: handed out first */
 #pragma omp for schedule(dynamic)
         for (int item = 0; item < heads * parts; item++) {
-            int head = item % heads, i0 = (parts - 1 - item / heads) * chunk;
-            int rows = q_len - i0 < chunk ? q_len - i0 : chunk, h = head / group;
+            const int h = item / (group * parts), rest = item % (group * parts);
+            const int head = h * group + rest % group, i0 = (parts - 1 - rest / group) * chunk;
+            const int rows = q_len - i0 < chunk ? q_len - i0 : chunk;
             rows_chunk((const char *)q + ((int64_t)i0 * q_stride + head * dim) * elem, q_stride,
                        kt + packed * h, vp + packed * h, offset + i0, rows, chunks, bf16,
                        scale, &w, (char *)out + ((int64_t)i0 * out_stride + head * dim) * elem, out_stride);

@@ -51,14 +51,19 @@ def test_rms_norm_matches_the_reference(dtype: torch.dtype, rows: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_add_rms_norm_is_torchs_add_then_the_norm(dtype: torch.dtype, rows: int) -> None:
-    """The residual stream's sum is torch's bit for bit (every later layer adds to it)."""
-    norm = RMSNorm(576, 1e-5).to(dtype)
-    norm.weight.data = _rand(576, dtype=dtype, seed=1)
-    x, residual = _rand(rows, 576, dtype=dtype), _rand(rows, 576, dtype=dtype, seed=2)
-    out, total = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
-    assert torch.equal(total, residual + x)
-    assert torch.equal(out, kernels.rms_norm(residual + x, norm.weight, norm.eps))
-    _close(out, norm.reference(residual + x))
+    """The residual stream's sum is torch's bit for bit (every later layer adds to it),
+    written over the spent inputs (the norm over x, the sum over residual); rows of 576 (36
+    vectors) and of 40 (no whole vector: the scalar loop)."""
+    for width in (576, 40):
+        norm = RMSNorm(width, 1e-5).to(dtype)
+        norm.weight.data = _rand(width, dtype=dtype, seed=1)
+        x, residual = _rand(rows, width, dtype=dtype), _rand(rows, width, dtype=dtype, seed=2)
+        want = residual + x
+        out, total = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+        assert out.data_ptr() == x.data_ptr() and total.data_ptr() == residual.data_ptr()
+        assert torch.equal(total, want)
+        assert torch.equal(out, kernels.rms_norm(want, norm.weight, norm.eps))
+        _close(out, norm.reference(want))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

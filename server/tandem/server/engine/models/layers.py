@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The norm of ``x + residual`` and that sum, the residual stream's next value: on CPU
         one pass of the C kernel, where the add alone was a pass (and a parallel region) of
-        its own; on a GPU one launch that overwrites ``x`` and ``residual`` (the callers'
+        its own, on a GPU one launch; both overwrite ``x`` and ``residual`` (the callers'
         tensors are spent: a layer's output and the stream)."""
         if kernels.cpu_kernels_for(x.device, x.dtype):
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)

@@ -42,12 +42,6 @@
  * pass over the whole sequence ran as fast (float32, 8 rows of 1,000 tokens) or faster (300) */
 #define LONG_BYTES (1 << 20)
 
-INLINE __m512 load16(const char *p, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 
 /* Lane i of the result is the sum of the lanes of v[i]. */
 INLINE __m512 sum_each(__m512 v[TILE]) {
@@ -175,7 +169,7 @@ INLINE void attend_span(const char *q, Rows keys, Rows values, int n, int rest, 
             for (int c = 0; c < chunks / 2; c++) qb[g][c] = _mm512_loadu_si512(q + (g * dim + c * 32) * 2);
         else
             for (int c = 0; c < chunks; c++)
-                qv[g][c] = _mm512_mul_ps(load16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
+                qv[g][c] = _mm512_mul_ps(widen16(q + (g * dim + c * 16) * elem, bf16), _mm512_set1_ps(scale));
     }
 #if HAVE_AMX
     if (tiles) query_tiles((const uint16_t *)q, group, chunks, (uint16_t *)(tiles + 256));
@@ -209,7 +203,7 @@ INLINE void attend_span(const char *q, Rows keys, Rows values, int n, int rest, 
             if (pairs)
                 for (int c = 0; c < chunks / 2; c++) kb[i][c] = _mm512_loadu_si512(row + c * 64);
             else
-                for (int c = 0; c < chunks; c++) k[i][c] = load16(row + c * 16 * elem, bf16);
+                for (int c = 0; c < chunks; c++) k[i][c] = widen16(row + c * 16 * elem, bf16);
         }
         for (int g = 0; g < group; g++) {
             __m512 part[TILE];
@@ -246,7 +240,7 @@ INLINE void attend_span(const char *q, Rows keys, Rows values, int n, int rest, 
         if (t + AHEAD < rest) prefetch_row(&values_ahead, row_bytes);
         const char *row = next_row(&values);
         __m512 v[MAX_CHUNKS];
-        for (int c = 0; c < chunks; c++) v[c] = load16(row + c * 16 * elem, bf16);
+        for (int c = 0; c < chunks; c++) v[c] = widen16(row + c * 16 * elem, bf16);
         for (int g = 0; g < group; g++) {
             __m512 p = _mm512_set1_ps(scores[g * span + t]);
             for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -393,7 +387,7 @@ INLINE void shared_scores(const float *qs, int held, Rows keys, int len, const i
         for (int i = n; i < TILE; i++) rows[i] = rows[0];
         __m512i kt[MAX_CHUNKS][TILE]; /* kt[c][d]: dimension 16 c + d of the 16 tokens */
         for (int c = 0; c < chunks; c++) {
-            for (int i = 0; i < TILE; i++) kt[c][i] = _mm512_castps_si512(load16(rows[i] + c * 16 * elem, bf16));
+            for (int i = 0; i < TILE; i++) kt[c][i] = _mm512_castps_si512(widen16(rows[i] + c * 16 * elem, bf16));
             transpose16(kt[c]);
         }
         const __mmask16 real = (__mmask16)((1u << n) - 1);
@@ -453,7 +447,7 @@ INLINE void shared_values(const float *p, int held, int stride, Rows values, int
                 for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_loadu_ps(sums + (r0 + r) * dim + 16 * c);
             for (int i = 0; i < n; i++) {
                 __m512 v[MAX_CHUNKS];
-                for (int c = 0; c < chunks; c++) v[c] = load16(rows[i] + c * 16 * elem, bf16);
+                for (int c = 0; c < chunks; c++) v[c] = widen16(rows[i] + c * 16 * elem, bf16);
                 for (int r = 0; r < group; r++) {
                     const __m512 w = _mm512_set1_ps(p[(int64_t)(r0 + r) * stride + t0 + i]);
                     for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
@@ -487,7 +481,7 @@ static void shared_part(const char *q, int64_t q_stride, Rows keys, Rows values,
     const int held = (n_q + QUERIES - 1) / QUERIES * QUERIES;
     for (int r = 0; r < held; r++) /* queries past n_q: zero, their sums not kept */
         for (int d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(qs + r * dim + d, r < n_q ? _mm512_mul_ps(load16(
+            _mm512_storeu_ps(qs + r * dim + d, r < n_q ? _mm512_mul_ps(widen16(
                 q + (query_at(j0 + r, h, group, q_stride, dim) + d) * elem, bf16),
                 _mm512_set1_ps(scale)) : _mm512_setzero_ps());
     float *lse_of[PART];
@@ -569,7 +563,7 @@ void merge_attention(void *out, int64_t out_stride, const float *lse, const floa
             __m512 a = _mm512_set1_ps(own / (own + common)), c = _mm512_set1_ps(common / (own + common));
             char *row = (char *)out + (b * out_stride + (int64_t)h * dim) * elem;
             for (int d = 0; d < dim; d += 16)
-                store16(row + d * elem, _mm512_fmadd_ps(load16(row + d * elem, bf16), a,
+                store16(row + d * elem, _mm512_fmadd_ps(widen16(row + d * elem, bf16), a,
                         _mm512_mul_ps(_mm512_loadu_ps(shared + at * dim + d), c)), bf16);
         }
 }

@@ -4,6 +4,23 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
+/* Sixteen values of the model's dtype (bfloat16 or float32) from p, as float32. */
+static inline __attribute__((always_inline)) __m512 widen16(const char *p, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps(p);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* convert.h's to_bf16 of each lane (nearest even, NaN stays NaN, denormals kept), in the
+ * lane's low 16 bits. */
+static inline __attribute__((always_inline)) __m512i bf16_bits16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
 /* Rounded to nearest even into bfloat16, as convert.h's to_bf16 (NaN stays NaN); with
  * AVX512-BF16 by the CPU's own conversion, which also flushes denormals to zero. */
 static inline __attribute__((always_inline)) void store16(char *p, __m512 x, const int bf16) {
@@ -11,12 +28,7 @@ static inline __attribute__((always_inline)) void store16(char *p, __m512 x, con
 #ifdef __AVX512BF16__
     return _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
 #endif
-    __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(x)));
 }
 
 /* Sixteen rows of sixteen 32-bit words transposed in place (row i, word c to row c, word i). */

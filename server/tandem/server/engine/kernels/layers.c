@@ -10,59 +10,8 @@
 #define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_WORK 65536 /* below this many elements one thread does it all */
 
-#ifdef __AVX512F__
-#include "vector16.h"
-/* Rows of a multiple of sixteen values go sixteen at a time: the compiler left the bfloat16
- * loops below scalar (a 4,096 x 576 add_rms_norm took 0.86 ms in bfloat16, 0.70 in float32,
- * two threads). The same roundings as convert.h's, lane by lane. */
-#define VECTORS 1
-
-/* convert.h's load and store, sixteen values from element i. */
-INLINE __m512 load16_at(const void *p, int64_t i, const int bf16) {
-    return widen16((const char *)p + i * (bf16 ? 2 : 4), bf16);
-}
-
-INLINE void store16_at(void *p, int64_t i, __m512 x, const int bf16) {
-    if (!bf16) return _mm512_storeu_ps((float *)p + i, x);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bf16_bits16(x)));
-}
-
-/* convert.h's round_to, lane by lane. */
-INLINE __m512 round16(__m512 x, const int bf16) {
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16)) : x;
-}
-
-/* A value round16 made (its low 16 bits zero in bfloat16) stored as it is. */
-INLINE void store_rounded16(void *p, int64_t i, __m512 x, const int bf16) {
-    if (!bf16) return _mm512_storeu_ps((float *)p + i, x);
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bits));
-}
-
-/* rms_norm_row's second pass, sixteen at a time, against the row's 1 / rms. */
-INLINE void scale_row16(const void *restrict x, void *restrict out, const void *restrict w,
-                        int dim, float inv, const int bf16) {
-    for (int i = 0; i < dim; i += 16) {
-        const __m512 v = round16(_mm512_mul_ps(load16_at(x, i, bf16), _mm512_set1_ps(inv)), bf16);
-        store16_at(out, i, _mm512_mul_ps(load16_at(w, i, bf16), v), bf16);
-    }
-}
-#else
-#define VECTORS 0
-#endif
-
 INLINE void rms_norm_row(const void *restrict x, void *restrict out, const void *restrict w,
                          int dim, float eps, const int bf16) {
-#if VECTORS
-    if (dim % 16 == 0) {
-        __m512 squares = _mm512_setzero_ps();
-        for (int i = 0; i < dim; i += 16) {
-            const __m512 v = load16_at(x, i, bf16);
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        return scale_row16(x, out, w, dim, 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps), bf16);
-    }
-#endif
     float sum = 0.0f;
     for (int i = 0; i < dim; i++) {
         float v = load(x, i, bf16);
@@ -92,17 +41,6 @@ void rms_norm(const void *x, void *out, const void *weight, int rows, int dim, i
 INLINE void add_rms_norm_row(const void *x, const void *residual, void *sum, void *out,
                              const void *restrict w,
                              int dim, float eps, const int bf16) {
-#if VECTORS
-    if (dim % 16 == 0) { /* the sum's squares taken as it is stored */
-        __m512 squares = _mm512_setzero_ps();
-        for (int i = 0; i < dim; i += 16) {
-            const __m512 v = round16(_mm512_add_ps(load16_at(x, i, bf16), load16_at(residual, i, bf16)), bf16);
-            store_rounded16(sum, i, v, bf16);
-            squares = _mm512_fmadd_ps(v, v, squares);
-        }
-        return scale_row16(sum, out, w, dim, 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps), bf16);
-    }
-#endif
     for (int i = 0; i < dim; i++) store(sum, i, load(x, i, bf16) + load(residual, i, bf16), bf16);
     rms_norm_row(sum, out, w, dim, eps, bf16);
 }
@@ -146,20 +84,6 @@ void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int
 
 INLINE void rope_head(void *restrict x, const void *restrict c, const void *restrict s, int half,
                       const int bf16) {
-#if VECTORS
-    if (half % 16 == 0) {
-        for (int i = 0; i < half; i += 16) {
-            const __m512 a = load16_at(x, i, bf16), b = load16_at(x, i + half, bf16);
-            const __m512 lo = _mm512_sub_ps(round16(_mm512_mul_ps(a, load16_at(c, i, bf16)), bf16),
-                                            round16(_mm512_mul_ps(b, load16_at(s, i, bf16)), bf16));
-            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, load16_at(c, i + half, bf16)), bf16),
-                                            round16(_mm512_mul_ps(a, load16_at(s, i + half, bf16)), bf16));
-            store16_at(x, i, lo, bf16);
-            store16_at(x, i + half, hi, bf16);
-        }
-        return;
-    }
-#endif
     for (int i = 0; i < half; i++) {
         float a = load(x, i, bf16), b = load(x, i + half, bf16);
         float lo = round_to(a * load(c, i, bf16), bf16) + round_to(-b * load(s, i, bf16), bf16);

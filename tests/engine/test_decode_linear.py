@@ -21,6 +21,8 @@ from tandem.server.engine import cpu, kernels
 from tandem.server.engine.kernels import library
 from tandem.server.engine.models.layers import DECODE_ROWS, Linear
 
+from .utils import prefill_route
+
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -31,8 +33,8 @@ def need(dtype: torch.dtype) -> None:
 
 def onednn(dtype: torch.dtype) -> bool:
     """Whether ``Linear`` multiplies more than ``DECODE_ROWS`` rows by oneDNN's packed weight
-    here (else, bfloat16 widened to float32)."""
-    return not (dtype == torch.bfloat16 and cpu.widens_bfloat16())
+    here (else float32 planes on AMX, or bfloat16 widened to float32)."""
+    return prefill_route(dtype) == "onednn"
 
 
 def bound(x: torch.Tensor, w: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

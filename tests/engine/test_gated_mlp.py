@@ -1,6 +1,6 @@
-"""``GatedMLP`` on CPU: a prefill's rows take SiLU and the product with up as oneDNN post-ops
-(``PackedLinear.silu_gated``), a decode step's and an adapter's the [gate | up] product, both
-against the float64 MLP. float32 within its rounding; bfloat16 within a few rounding steps of
+"""``GatedMLP`` on CPU: a prefill's rows take SiLU and the product with up in one pass
+(``PackedLinear.silu_gated``: oneDNN post-ops, or the float32 planes' pass on AMX), a decode
+step's and an adapter's the [gate | up] product, both against the float64 MLP. float32 within its rounding; bfloat16 within a few rounding steps of
 its outputs (each product is rounded once, SiLU's input is not)."""
 
 from __future__ import annotations
@@ -9,16 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.server.engine import cpu
 from tandem.server.engine.models.layers import DECODE_ROWS, GatedMLP
 
+from .utils import prefill_route
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # of the output's largest magnitude
-
-
-def onednn(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and not (
-        dtype == torch.bfloat16 and cpu.widens_bfloat16()
-    )
 
 
 def mlp(dtype: torch.dtype, bias: bool) -> GatedMLP:
@@ -54,10 +49,12 @@ def test_matches_float64_on_either_path(dtype: torch.dtype, bias: bool, rows: in
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
     with torch.inference_mode():
         assert close(module(x), exact(module, x))
-    fused = rows > DECODE_ROWS and onednn(dtype)
-    assert (module.gate_up_proj._halves is not None) == fused
-    if fused:  # the joint copy of gate|up is never made
-        assert module.gate_up_proj._packed is None
+    route = prefill_route(dtype) if rows > DECODE_ROWS else "decode"
+    gate_up = module.gate_up_proj
+    assert (gate_up._halves is not None) == (route == "onednn")
+    assert (gate_up._planes is not None) == (route == "planes")
+    if route in ("onednn", "planes"):  # the joint oneDNN copy of gate|up is never made
+        assert gate_up._packed is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,22 +77,25 @@ def test_a_hooked_layer_keeps_its_gate_up_output(dtype: torch.dtype) -> None:
     assert torch.equal(y, torch.zeros_like(y))  # silu(0) * 0, times down_proj, no bias
 
 
-def test_writing_or_moving_the_weight_drops_the_halves() -> None:
-    if not onednn(torch.float32):
-        pytest.skip("oneDNN's packed products")
-    module = mlp(torch.float32, bias=False)
-    x = torch.randn(DECODE_ROWS + 1, 96)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writing_or_moving_the_weight_drops_the_fused_copies(dtype: torch.dtype) -> None:
+    """The fused pass's copy of gate|up (oneDNN's halves, or the planes) follows the weight."""
+    copy = {"onednn": "_halves", "planes": "_planes"}.get(prefill_route(dtype))
+    if copy is None:
+        pytest.skip("no fused pass for prefill rows here")
+    module = mlp(dtype, bias=False)
+    x = torch.randn(DECODE_ROWS + 1, 96).to(dtype)
     with torch.inference_mode():
         module(x)
-    first = module.gate_up_proj._halves
+    first = getattr(module.gate_up_proj, copy)
     assert first is not None
     with torch.no_grad():
-        module.gate_up_proj.weight.mul_(2)  # written in place: the halves follow it
+        module.gate_up_proj.weight.mul_(2)  # written in place: the copy follows it
     with torch.inference_mode():
         assert close(module(x), exact(module, x))
-    assert module.gate_up_proj._halves is not first
+    assert getattr(module.gate_up_proj, copy) is not first
     module.to_empty(device=torch.device("meta"))
-    assert module.gate_up_proj._halves is None
+    assert getattr(module.gate_up_proj, copy) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +110,8 @@ def test_route_names_the_product_matmul_takes(dtype: torch.dtype, rows: int) -> 
         layer.matmul(x, None)
     assert (layer._packed is not None) == (route == "onednn")
     assert (layer._decode is not None) == (route == "decode")
-    assert layer.gates_in_onednn(x) == (rows > DECODE_ROWS and route == "onednn")
-    if rows > DECODE_ROWS and torch.backends.mkldnn.is_available():
-        assert route == ("onednn" if onednn(dtype) else "widened")
+    assert (layer._planes is not None) == (route == "planes")
+    assert layer.gates_fused(x) == (rows > DECODE_ROWS and route in ("onednn", "planes"))
+    if rows > DECODE_ROWS:
+        assert route == prefill_route(dtype)
     assert layer.route(x.double()) == "plain"

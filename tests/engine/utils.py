@@ -1,5 +1,6 @@
 """Helpers for the engine's tests: a request without an engine (its text over a byte-level
-tokenizer that needs no files), an engine run to the end, the prompts the exactness tests
+tokenizer that needs no files), an engine run to the end, the product a linear layer gives a
+prefill's rows here, the prompts the exactness tests
 share, and GGUF files written the way llama.cpp's converter does from the tests' HF-format
 tiny models.
 
@@ -15,11 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-from tandem.server.engine import LLMEngine
+from tandem.server.engine import LLMEngine, cpu, kernels
 from tandem.server.engine.detokenizer import IncrementalDetokenizer
 from tandem.server.engine.output_processor import add_text
 from tandem.server.engine.request import OutputState, Request, SamplingState
@@ -203,3 +205,14 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return source
+
+
+def prefill_route(dtype: torch.dtype) -> str:
+    """The product ``Linear.route`` names for more than a decode step's rows on this CPU:
+    float32 planes on AMX tiles, else oneDNN's packed weight (bfloat16 widened to float32
+    where ``cpu.widens_bfloat16``); ``plain`` without oneDNN."""
+    if dtype == torch.float32 and kernels.plane_linear_for(torch.device("cpu"), dtype):
+        return "planes"
+    if not torch.backends.mkldnn.is_available():
+        return "plain"
+    return "widened" if dtype == torch.bfloat16 and cpu.widens_bfloat16() else "onednn"

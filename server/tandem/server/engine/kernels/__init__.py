@@ -12,7 +12,8 @@ ops; ``quant_gemv.c`` multiplies a few rows by weights kept in GGUF's Q8_0 / Q4_
 blocks (AVX-512 only), and ``quant_vnni.c`` the same product with x quantized to int8 per
 block, as llama.cpp does (AVX512-VNNI); ``tile_linear.c`` and ``panel_linear.c`` multiply a
 decode step's rows by a weight kept in AMX's tile layout (bfloat16) or in AVX-512 panels
-(float32, and bfloat16 without AMX); ``decode_chain.c`` runs every decoder layer of a
+(float32, and bfloat16 without AMX); ``plane_linear.c`` multiplies more rows in float32 on
+AMX tiles, each operand three bfloat16 planes; ``decode_chain.c`` runs every decoder layer of a
 small decode step in one call, chaining the others; ``sampling.c`` is greedy sampling's argmax
 over the logits in the model's dtype and the draw of a row only a temperature shapes.
 ``kernels.h`` declares what they export, ``amx.h`` what the tile kernels share.
@@ -40,6 +41,10 @@ from .ops import (
     merge_attention,
     paged_decode,
     paged_decode_for,
+    plane_linear,
+    plane_linear_for,
+    plane_linear_silu,
+    plane_pack,
     prefill_attention,
     prefill_attention_for,
     quant_gemv,
@@ -72,6 +77,10 @@ __all__ = [
     "merge_attention",
     "paged_decode",
     "paged_decode_for",
+    "plane_linear",
+    "plane_linear_for",
+    "plane_linear_silu",
+    "plane_pack",
     "prefill_attention",
     "prefill_attention_for",
     "quant_gemv",

@@ -50,6 +50,13 @@ void tile_linear(const uint16_t *x, int64_t x_stride, int m, int k, const uint16
 void tile_linear_silu(const uint16_t *x, int64_t x_stride, int m, int k, const uint16_t *packed,
                       int inter, uint16_t *out, int64_t out_stride, int threads);
 
+/* plane_linear.c (AMX only) */
+int plane_linear_tiles(void);
+void plane_pack(const float *w, int n, int k, uint16_t *out);
+void plane_linear(const float *x, int64_t x_stride, int m, int k, const uint16_t *packed, int n,
+                  const float *bias, float *out, int64_t out_stride, int threads);
+void plane_linear_silu(const float *x, int64_t x_stride, int m, int k, const uint16_t *packed,
+                       int inter, float *out, int64_t out_stride, int threads);
 
 /* panel_linear.c (AVX-512) */
 void panel_pack(const float *w, int n, int k, float *out);

@@ -35,6 +35,7 @@ SOURCES = [
         "quant_vnni.c",
         "decode_chain.c",
         "tile_linear.c",
+        "plane_linear.c",
         "panel_linear.c",
         "sampling.c",
     )
@@ -82,6 +83,13 @@ SIGNATURES = {
     "tile_linear_silu": [_P, _I64, _I, _I, _P, _I, _P, _I64, _I],
     "tile_linear_tiles": [],  # returns an int: RESULTS
     # w, n, k, out
+    "plane_pack": [_P, _I, _I, _P],
+    # x, x_stride, m, k, packed, n, bias (or NULL), out, out_stride, threads
+    "plane_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
+    # x, x_stride, m, k, packed gate|up, inter, out, out_stride, threads
+    "plane_linear_silu": [_P, _I64, _I, _I, _P, _I, _P, _I64, _I],
+    "plane_linear_tiles": [],  # returns an int: RESULTS
+    # w, n, k, out
     "panel_pack": [_P, _I, _I, _P],
     # x, x_stride, m, k, packed, n, bias (or NULL), out, out_stride, threads
     "panel_linear": [_P, _I64, _I, _I, _P, _I, _P, _P, _I64, _I],
@@ -98,6 +106,7 @@ SIGNATURES = {
 RESULTS = {
     "shared_attention_tiles": _I,
     "tile_linear_tiles": _I,
+    "plane_linear_tiles": _I,
 }  # the functions that return something
 
 
@@ -118,7 +127,7 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         if hasattr(lib, name):  # paged_decode, prefill_attention, quant_gemv*, decode_chain:
-            # AVX-512 only (panel_*, argmax_rows, draw_rows too); tile_*: AMX only
+            # AVX-512 only (panel_*, argmax_rows, draw_rows too); tile_*, plane_*: AMX only
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, RESULTS.get(name)
     return lib

@@ -485,3 +485,70 @@ def decode_linear(
         torch.get_num_threads(),
     )
     return out
+
+
+def plane_linear_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float32 products of more than a decode step's rows run as ``plane_linear``:
+    AMX tiles (Sapphire Rapids and later) built and granted to the process."""
+    return device.type == "cpu" and dtype == torch.float32 and _planes_here()
+
+
+@functools.cache
+def _planes_here() -> bool:
+    lib = library.load()
+    return lib is not None and hasattr(lib, "plane_linear") and lib.plane_linear_tiles() == 1
+
+
+def plane_pack(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight ``[N, K]`` as ``plane_linear``'s three bfloat16 planes in AMX's tile
+    layout (``plane_linear.c``): a flat copy, N and K rounded up to 32, 1.5x the weight's bytes."""
+    n, k = w.shape
+    w = w.contiguous()
+    out = torch.empty(3 * -(-n // 32) * 32 * -(-k // 32) * 32, dtype=torch.bfloat16)
+    library.load().plane_pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def plane_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T + bias`` in float32 for x ``[M, K]`` and W ``[n, K]`` packed by ``plane_pack``:
+    six bfloat16 tile products a step, as exact as float32's FMAs (``plane_linear.c``)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    library.load().plane_linear(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        packed.data_ptr(),
+        n,
+        None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def plane_linear_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of a gate|up layer (``[2 * inter, K]`` packed by ``plane_pack``,
+    inter a multiple of 32) in one pass: ``plane_linear`` then ``silu_and_mul``'s bits."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, inter, dtype=torch.float32)
+    library.load().plane_linear_silu(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        packed.data_ptr(),
+        inter,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out

@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 # The products Linear.matmul takes (Linear.route names the one for an input).
-Route = Literal["quantized", "plain", "decode", "widened", "onednn"]
+Route = Literal["quantized", "plain", "decode", "planes", "widened", "onednn"]
 
 
 class Linear(nn.Linear):
@@ -63,7 +63,10 @@ class Linear(nn.Linear):
     Up to ``DECODE_ROWS`` rows (a decode step's) are multiplied by another copy packed for
     them (``kernels.decode_linear``: in bfloat16 on a CPU with AMX, tiles, 1.1-1.8x oneDNN's
     product there and nearly always the same bits; in float32 with AVX-512, panels, at par
-    with it), kept the same way, which the decode chain calls from C.
+    with it), kept the same way, which the decode chain calls from C. More rows in float32 on
+    a CPU with AMX are multiplied by a third copy, the weight's three bfloat16 planes
+    (``kernels.plane_linear``: as exact as float32's FMAs, 1.6-1.9x oneDNN's float32 product
+    on two cores), which then takes the place of oneDNN's.
 
     A layer loaded from a GGUF file on CPU may also keep the file's Q8_0 / Q4_0 / Q4_1
     blocks (``use_quantized``): up to ``QUANT_ROWS`` rows are multiplied by them (a quarter
@@ -75,6 +78,7 @@ class Linear(nn.Linear):
 
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
     _decode: tuple[tuple[int, int], torch.Tensor] | None = None  # kernels.decode_pack's copy
+    _planes: tuple[tuple[int, int], torch.Tensor] | None = None  # kernels.plane_pack's copy
     _quantized_for: tuple[int, int] | None = None  # the weight's (pointer, version) it matches
     qtype: int = 0  # the blocks' ggml type id
     kernel: str = "quant_gemv"  # the function of kernels (and of the C library) they take
@@ -104,7 +108,7 @@ class Linear(nn.Linear):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
         """Moving or re-allocating the weight (``to``, ``to_empty``: a level-2 sleep) drops
         the packed copies, which would otherwise hold the old weight's memory."""
-        self._packed = self._decode = None
+        self._packed = self._decode = self._planes = None
         return super()._apply(fn, recurse)
 
     def decode_weight(self) -> torch.Tensor:
@@ -116,11 +120,21 @@ class Linear(nn.Linear):
             self._decode = (key, kernels.decode_pack(w.detach()))
         return self._decode[1]
 
+    def plane_weight(self) -> torch.Tensor:
+        """The weight's planes in ``kernels.plane_linear``'s layout, packed again whenever the
+        weight has changed."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._planes is None or self._planes[0] != key:
+            self._planes = (key, kernels.plane_pack(w.detach()))
+        return self._planes[1]
+
     def route(self, x: torch.Tensor) -> Route:
         """The product ``matmul`` takes for ``x``: ``quantized`` (the GGUF blocks), ``plain``
-        (``F.linear``), ``decode`` (``kernels.decode_linear``), ``widened`` (``_widened``) or
-        ``onednn`` (the packed weight). Decided in one place so that a layer running its own
-        oneDNN products (``PackedLinear.silu_gated``) takes them exactly where ``matmul`` would."""
+        (``F.linear``), ``decode`` (``kernels.decode_linear``), ``planes``
+        (``kernels.plane_linear``), ``widened`` (``_widened``) or ``onednn`` (the packed
+        weight). Decided in one place so that a layer running its own products
+        (``PackedLinear.silu_gated``) takes them exactly where ``matmul`` would."""
         w = self.weight
         if (
             self.quantized is not None
@@ -134,6 +148,8 @@ class Linear(nn.Linear):
         few = x.dim() == 2 and x.shape[0] <= DECODE_ROWS
         if few and kernels.decode_linear_for(x.device, w.dtype):
             return "decode"
+        if x.dim() == 2 and not few and kernels.plane_linear_for(x.device, w.dtype):
+            return "planes"
         if not few and w.dtype == torch.bfloat16 and cpu.widens_bfloat16():
             return "widened"
         return "onednn"
@@ -148,6 +164,8 @@ class Linear(nn.Linear):
             return F.linear(x, w, bias)
         if route == "decode":
             return kernels.decode_linear(x, self.decode_weight(), w.shape[0], bias)
+        if route == "planes":
+            return kernels.plane_linear(x, self.plane_weight(), w.shape[0], bias)
         if route == "widened":
             return _widened(x, w, bias)
         key = (w.data_ptr(), w._version)
@@ -219,24 +237,27 @@ class PackedLinear(Linear):
         self._halves = None
         return super()._apply(fn, recurse)
 
-    def gates_in_onednn(self, x: torch.Tensor) -> bool:
+    def gates_fused(self, x: torch.Tensor) -> bool:
         """Whether ``silu_gated`` takes ``x``: a gate|up layer's prefill rows (more than a
-        decode step's) that ``matmul`` would hand oneDNN anyway, no adapter hooked on it."""
-        return (
-            not self._forward_hooks
-            and x.dim() == 2
-            and x.shape[0] > DECODE_ROWS
-            and self.route(x) == "onednn"
-        )
+        decode step's) that ``matmul`` would hand oneDNN or the planes anyway, no adapter
+        hooked on it (the planes' pass: no bias, gate and up each whole 32-column blocks)."""
+        if self._forward_hooks or x.dim() != 2 or x.shape[0] <= DECODE_ROWS:
+            return False
+        route = self.route(x)
+        planes = route == "planes" and self.bias is None and self.out_features % 64 == 0
+        return route == "onednn" or planes
 
     def silu_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a gate|up layer as two oneDNN products, SiLU applied to the
-        gate's output and the product with it to the up's while each tile is in cache: the
-        ``[gate | up]`` output, twice the width, written and read again by a pass of its own,
-        never exists (the default model's MLP at 4,096 rows: 0.81x the time in bfloat16,
-        0.83x in float32, two cores). SiLU is taken of the gate's float32 sums and ``up`` is
-        not rounded before the product: in bfloat16 one rounding step from HuggingFace's
-        order in places, in float32 within its rounding."""
+        """``silu(gate) * up`` of a gate|up layer in one pass: the ``[gate | up]`` output,
+        twice the width, written and read again by a pass of its own, never exists. With the
+        planes (float32 on AMX) ``kernels.plane_linear_silu``, silu_and_mul's bits; else two
+        oneDNN products, SiLU applied to the gate's output and the product with it to the
+        up's while each tile is in cache (the default model's MLP at 4,096 rows: 0.81x the
+        time in bfloat16, 0.83x in float32, two cores). There SiLU is taken of the gate's
+        float32 sums and ``up`` is not rounded before the product: in bfloat16 one rounding
+        step from HuggingFace's order in places, in float32 within its rounding."""
+        if self.route(x) == "planes":
+            return kernels.plane_linear_silu(x, self.plane_weight(), self.out_features // 2)
         w = self.weight
         key = (w.data_ptr(), w._version)
         if self._halves is None or self._halves[0] != key:
@@ -284,7 +305,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.gates_in_onednn(x):
+        if self.gate_up_proj.gates_fused(x):
             return self.down_proj(self.gate_up_proj.silu_gated(x))
         gate_up = self.gate_up_proj(x)
         if kernels.cpu_kernels_for(gate_up.device, gate_up.dtype):

@@ -468,11 +468,19 @@ def decode_linear(
     """``x @ W^T + bias`` for x ``[M, K]`` and W ``[n, K]`` packed by ``decode_pack``, in x's
     dtype: bfloat16's float32 sums rounded once, as oneDNN's product rounds them; float32's
     each the sum over the inputs in order, whatever rows share the call."""
+    return _packed_product(decode_kernel(x.dtype)[0], x, packed, n, bias)
+
+
+def _packed_product(
+    product: str, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The library's ``product`` (``decode_linear``'s or ``plane_linear``: one signature) of
+    x ``[M, K]`` and a weight ``[n, K]`` packed for it, plus bias, in x's dtype."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
-    getattr(library.load(), decode_kernel(x.dtype)[0])(
+    getattr(library.load(), product)(
         x.data_ptr(),
         x.stride(0),
         m,
@@ -514,23 +522,7 @@ def plane_linear(
 ) -> torch.Tensor:
     """``x @ W^T + bias`` in float32 for x ``[M, K]`` and W ``[n, K]`` packed by ``plane_pack``:
     six bfloat16 tile products a step, as exact as float32's FMAs (``plane_linear.c``)."""
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
-    library.load().plane_linear(
-        x.data_ptr(),
-        x.stride(0),
-        m,
-        k,
-        packed.data_ptr(),
-        n,
-        None if bias is None else bias.contiguous().data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        torch.get_num_threads(),
-    )
-    return out
+    return _packed_product("plane_linear", x, packed, n, bias)
 
 
 def plane_linear_silu(x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
